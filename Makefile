@@ -1,0 +1,63 @@
+# mimpipe: make quickstart | make test | make lint | make bench
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+SHARDS ?= shards/quickstart
+FMNIST ?= /usr/share/datasets/fashion-mnist
+# torch/torchvision are pinned here (not in pyproject) to the build this machine serves from its own disk.
+TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: install quickstart quickstart-data test test-unit test-dist lint format bench
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q $(TORCH_PINS)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+# Fashion-MNIST shards (train 60k, test 10k); synthetic images with a warning when the dataset is not installed.
+quickstart-data: install
+	@if [ -f $(FMNIST)/train-images-idx3-ubyte.gz ]; then \
+	  grep -qs fashion-mnist $(SHARDS)/train/index.json || \
+	    $(PY) -m data write --source fashion-mnist --split train --out $(SHARDS)/train --shard-size 5000; \
+	  grep -qs fashion-mnist $(SHARDS)/test/index.json || \
+	    $(PY) -m data write --source fashion-mnist --split test --out $(SHARDS)/test --shard-size 2500; \
+	else \
+	  echo "WARNING: Fashion-MNIST not found in $(FMNIST); install it with: sudo apt-get install -y dataset-fashion-mnist"; \
+	  echo "WARNING: running the quickstart on synthetic images instead (accuracy numbers will not mean much)"; \
+	  grep -qs synthetic $(SHARDS)/train/index.json || $(PY) -m data write --source synthetic --split train \
+	    --num-samples 20000 --image-size 28 --num-classes 10 --out $(SHARDS)/train --shard-size 2500; \
+	  grep -qs synthetic $(SHARDS)/test/index.json || $(PY) -m data write --source synthetic --split test \
+	    --num-samples 4000 --image-size 28 --num-classes 10 --seed 1 --out $(SHARDS)/test --shard-size 1000; \
+	fi
+
+# MAE pretraining on CPU, export, then fine-tuning at 32 px from the export (pos-embed 7x7 -> 8x8, zero-init head).
+quickstart: quickstart-data
+	rm -rf runs/quickstart runs/quickstart_finetune
+	./launch.sh recipes/quickstart.yaml
+	./launch.sh recipes/quickstart_finetune.yaml
+	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir runs"
+
+test: install
+	$(PY) -m pytest -q
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit
+
+test-dist: install
+	$(PY) -m pytest -q tests/dist
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: install
+	$(PY) benchmarks/bench_engine.py

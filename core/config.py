@@ -1,0 +1,301 @@
+"""Typed recipe schema: defaults < recipe (< its one `base:` parent) < command-line `a.b=c` overrides.
+
+Every section is a strict pydantic model (`extra="forbid"`): an unknown key, a wrong type or an out-of-range
+value is a `ConfigError` naming the dotted key (with a close-match hint for typos) before any process starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not fit the schema; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    size: Literal["tiny", "small", "base", "large", "huge"] = "base"
+    """ViT size preset; `embed_dim`/`depth`/`num_heads` override it."""
+    img_size: int | tuple[int, int] = 224
+    """Input resolution (square int or [height, width])."""
+    patch_size: int = Field(16, gt=0)
+    embed_dim: int | None = Field(None, gt=0)
+    depth: int | None = Field(None, gt=0)
+    num_heads: int | None = Field(None, gt=0)
+    drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    global_pool: Literal["token", "avg"] = "token"
+    """Fine-tuning pooling: cls token, or average of patch tokens + fc_norm (MAE's fine-tuning default)."""
+    init: str | None = None
+    """Fine-tuning: an exported encoder folder (`RUN_DIR/export`) to start from."""
+    num_classes: int | None = Field(None, gt=0)
+    """Fine-tuning: number of classes; default from the training shards' index.json."""
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        h, w = (self.img_size, self.img_size) if isinstance(self.img_size, int) else self.img_size
+        return h // self.patch_size, w // self.patch_size
+
+    @model_validator(mode="after")
+    def _check_patch(self) -> ModelConfig:
+        sizes = (self.img_size,) if isinstance(self.img_size, int) else self.img_size
+        if any(s % self.patch_size for s in sizes):
+            raise ValueError(f"model.img_size {self.img_size} is not divisible by model.patch_size {self.patch_size}")
+        return self
+
+
+class DataConfig(Section):
+    train: str | list[str] = ""
+    """Training shards: a directory with index.json, a brace pattern, or a list of paths/URLs."""
+    val: str | list[str] | None = None
+    """Held-out shards for evaluation (fine-tuning)."""
+    global_batch_size: int = Field(256, gt=0)
+    """Samples per optimizer step over all ranks and accumulation micro-steps."""
+    num_workers: int = Field(2, ge=0)
+    shuffle_buffer: int = Field(1000, ge=0)
+    resampled: bool = True
+    """Draw shards with replacement (endless stream, step-based training)."""
+    samples_per_epoch: int | None = Field(None, gt=0)
+    """Converts epochs to steps; default: sample count in the training shards' index.json."""
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    crop_scale: tuple[float, float] = (0.2, 1.0)
+    """RandomResizedCrop area range (MAE pretraining: 0.2-1.0)."""
+    eval_crop_pct: float = Field(0.875, gt=0.0, le=1.0)
+    eval_batch_size_per_device: int = Field(256, gt=0)
+
+
+class MAEObjective(Section):
+    kind: Literal["mae"] = "mae"
+    mask_ratio: float = Field(0.75, gt=0.0, lt=1.0)
+    norm_pix_loss: bool = True
+    decoder_embed_dim: int = Field(512, gt=0)
+    decoder_depth: int = Field(8, gt=0)
+    decoder_num_heads: int = Field(16, gt=0)
+
+
+class ClassificationObjective(Section):
+    kind: Literal["classification"] = "classification"
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+Objective = Annotated[MAEObjective | ClassificationObjective, Field(discriminator="kind")]
+OBJECTIVES_BY_STAGE = {"pretrain": ("mae",), "finetune": ("classification",)}
+
+
+class OptimConfig(Section):
+    base_lr: float = Field(1.5e-4, gt=0.0)
+    lr_rule: Literal["scaled", "absolute"] = "scaled"
+    """scaled: lr = base_lr * global_batch_size / lr_base_batch (MAE, DeiT); absolute: lr = base_lr (BEiT)."""
+    lr_base_batch: int = Field(256, gt=0)
+    min_lr: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.05, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0.0)
+    grad_clip: float = Field(0.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+
+
+class ScheduleConfig(Section):
+    steps: int | None = Field(None, gt=0)
+    epochs: float | None = Field(None, gt=0)
+    warmup_steps: int | None = Field(None, ge=0)
+    warmup_epochs: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_length(self) -> ScheduleConfig:
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of schedule.steps and schedule.epochs")
+        if self.warmup_steps is not None and self.warmup_epochs is not None:
+            raise ValueError("set at most one of schedule.warmup_steps and schedule.warmup_epochs")
+        return self
+
+
+class EngineConfig(Section):
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """bf16: autocast over fp32 weights; fp16: DeepSpeed fp16 with dynamic loss scaling; fp32."""
+    grad_accum_steps: int = Field(1, gt=0)
+    max_consecutive_nonfinite: int = Field(10, gt=0)
+    """Stop after this many optimizer steps in a row skipped for a non-finite loss."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    fp16_initial_scale_power: int = Field(16, ge=0, le=32)
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(1000, gt=0)
+    keep_last: int = Field(2, gt=0)
+    export_at_end: bool = True
+
+
+class LoggingConfig(Section):
+    every_steps: int = Field(10, gt=0)
+    image_every_steps: int = Field(500, ge=0)
+    """Reconstruction grids from a fixed batch every N steps (0 = off)."""
+    tensorboard: bool = True
+
+
+class EvalConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """Evaluate on data.val every N steps (0 = at the end only)."""
+
+
+class Config(Section):
+    stage: Literal["pretrain", "finetune"] = "pretrain"
+    run_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    objective: Objective = MAEObjective()
+    optim: OptimConfig = OptimConfig()
+    schedule: ScheduleConfig = ScheduleConfig(steps=1000)
+    engine: EngineConfig = EngineConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        allowed = OBJECTIVES_BY_STAGE[self.stage]
+        if self.objective.kind not in allowed:
+            raise ValueError(f"objective.kind {self.objective.kind!r} does not fit stage {self.stage!r} ({allowed})")
+        if self.data.global_batch_size % self.engine.grad_accum_steps:
+            raise ValueError(
+                f"data.global_batch_size {self.data.global_batch_size} is not divisible by "
+                f"engine.grad_accum_steps {self.engine.grad_accum_steps}"
+            )
+        return self
+
+    def batch_size_per_device(self, world_size: int) -> int:
+        """Per-device micro-batch; raises ConfigError naming the key when the global batch does not split."""
+        denom = world_size * self.engine.grad_accum_steps
+        if self.data.global_batch_size % denom:
+            raise ConfigError(
+                f"data.global_batch_size {self.data.global_batch_size} is not divisible by world size {world_size} "
+                f"x engine.grad_accum_steps {self.engine.grad_accum_steps}"
+            )
+        return self.data.global_batch_size // denom
+
+    @property
+    def peak_lr(self) -> float:
+        """The one place the real learning rate is derived from `optim.base_lr`."""
+        if self.optim.lr_rule == "absolute":
+            return self.optim.base_lr
+        return self.optim.base_lr * self.data.global_batch_size / self.optim.lr_base_batch
+
+    def steps(self, samples_per_epoch: int | None) -> tuple[int, int]:
+        """(total_steps, warmup_steps), converting epochs once with the samples in an epoch."""
+        s = self.schedule
+        needs_epochs = s.epochs is not None or s.warmup_epochs is not None
+        if needs_epochs and not samples_per_epoch:
+            raise ConfigError("schedule in epochs needs data.samples_per_epoch or an index.json beside the shards")
+        per_epoch = (samples_per_epoch or 1) / self.data.global_batch_size
+        total = s.steps if s.steps is not None else max(1, math.ceil(s.epochs * per_epoch))
+        warmup = s.warmup_steps if s.warmup_steps is not None else math.ceil((s.warmup_epochs or 0) * per_epoch)
+        return total, min(warmup, total)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"recipe not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping of sections")
+    return data
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _set_dotted(tree: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} is not of the form section.key=value")
+    dotted, raw = override.split("=", 1)
+    *parents, leaf = dotted.strip().split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+    node[leaf] = yaml.safe_load(raw)
+
+
+def _field_names(loc: tuple) -> list[str]:
+    """Field names valid at the parent of an error location (for close-match hints)."""
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        if part in ("mae", "classification"):
+            continue
+        if part == "objective":
+            model = {"mae": MAEObjective, "classification": ClassificationObjective}.get(loc[1], MAEObjective)
+            continue
+        annotation = model.model_fields[part].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _explain(err: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if p not in ("mae", "classification"))
+        key = ".".join(str(p) for p in loc) or "<root>"
+        if e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(loc[-1]), _field_names(e["loc"]), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            lines.append(f"{key}: unknown key{hint}")
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return ConfigError(f"{source}: invalid recipe\n  " + "\n  ".join(lines))
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Load defaults < recipe (with its optional single `base:` parent) < dotted overrides.
+
+    Args:
+        recipe: YAML recipe path, or None for the defaults alone.
+        overrides: `section.key=value` strings; values are parsed as YAML.
+    """
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if recipe is not None:
+        path = Path(recipe)
+        tree = _read_yaml(path)
+        source = str(path)
+        if "base" in tree:
+            parent = path.parent / str(tree.pop("base"))
+            parent_tree = _read_yaml(parent)
+            if "base" in parent_tree:
+                raise ConfigError(f"{path}: base recipe {parent} has its own base; at most one parent is allowed")
+            tree = _merge(parent_tree, tree)
+    for override in overrides:
+        _set_dotted(tree, override)
+    objective = tree.setdefault("objective", {})
+    if isinstance(objective, dict) and "kind" not in objective:
+        objective["kind"] = OBJECTIVES_BY_STAGE.get(tree.get("stage", "pretrain"), ("mae",))[0]
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise _explain(err, source) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML (what goes to run_dir/config.yaml and into checkpoints)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,79 @@
+"""Process-group set-up and the few collectives the loop needs.
+
+torchrun sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; a plain `python -m pretrain` run becomes
+a one-process group on loopback, so every code path is the distributed one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(preference: str) -> torch.device:
+    """`auto` takes CUDA when a GPU is visible, else the CPU."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ValueError("engine.device is 'cuda' but no CUDA device is visible")
+    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+    return torch.device("cuda") if use_cuda else torch.device("cpu")
+
+
+def init_distributed(device_preference: str, timeout_s: int = 600) -> DistInfo:
+    """Initialise DeepSpeed's process group (NCCL on GPU, gloo on CPU) and return this process's place in it."""
+    device = pick_device(device_preference)
+    # DeepSpeed picks its accelerator at import time from this variable; set it before the first import.
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s))
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce (`sum` or `max`) that also works on a one-process group."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,232 @@
+"""The one training loop, shared by pretraining and fine-tuning.
+
+Per optimizer step: set the lr, run `grad_accum_steps` micro-steps (forward under autocast, backward), check that
+the loss is finite on every rank, step (or veto the update), then log / evaluate / checkpoint every N steps.
+`.item()` only happens where logging does, plus one small all-reduce per step for the finite check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from core.config import Config
+from core.engine.checkpoint import save_checkpoint
+from core.engine.distributed import DistInfo, all_reduce
+from core.engine.schedule import lr_at
+from core.logging import MetricsLogger
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss."""
+
+
+@dataclass
+class TrainState:
+    """What the loop carries between steps and saves in every checkpoint (besides model, optimizer and RNG)."""
+
+    step: int = 0
+    batches_consumed: int = 0
+    """Micro-batches this rank has drawn from its stream: the data position to resume from."""
+    nonfinite_skipped: int = 0
+    consecutive_nonfinite: int = 0
+    corrupt_samples: int = 0
+
+    @classmethod
+    def from_resume(cls, resume: dict | None) -> TrainState:
+        fields = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in (resume or {}).items() if k in fields})
+
+
+def autocast_context(precision: str, device: torch.device):
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def to_device(batch: dict, device: torch.device, precision: str) -> dict:
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            value = value.to(device, non_blocking=True)
+            if precision == "fp16" and value.is_floating_point():
+                value = value.half()
+        out[key] = value
+    return out
+
+
+def _max_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _grad_norm(engine) -> float | None:
+    """Global gradient norm of the step just taken: DeepSpeed's when it computed one (ZeRO, clipping)."""
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+
+
+def _local_grad_norm(engine) -> torch.Tensor:
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
+def train(
+    *,
+    cfg: Config,
+    engine,
+    optimizer,
+    batches: Iterator[dict],
+    dist: DistInfo,
+    state: TrainState,
+    total_steps: int,
+    warmup_steps: int,
+    logger: MetricsLogger,
+    run_dir: Path,
+    config_yaml: str,
+    evaluate: Callable[[int], dict[str, float]] | None = None,
+    log_images: Callable[[int], None] | None = None,
+) -> TrainState:
+    """Run optimizer steps `state.step + 1 .. total_steps`; returns the final state (also checkpointed)."""
+    accum, precision, device = cfg.engine.grad_accum_steps, cfg.engine.precision, dist.device
+    micro_batch = cfg.batch_size_per_device(dist.world_size)
+    window = _Window(device)
+    first_step = state.step + 1
+    for step in range(first_step, total_steps + 1):
+        lr = lr_at(
+            step, peak_lr=cfg.peak_lr, min_lr=cfg.optim.min_lr, warmup_steps=warmup_steps, total_steps=total_steps
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        log_now = step % cfg.logging.every_steps == 0 or step == total_steps
+        step_loss = torch.zeros((), device=device)
+        for micro in range(accum):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            window.data_wait += time.perf_counter() - t0
+            state.batches_consumed += 1
+            window.corrupt += batch["num_corrupt"]
+            with autocast_context(precision, device):
+                out = engine(to_device(batch, device, precision))
+            engine.backward(out["loss"])
+            step_loss += out["loss"].detach().float()
+            window.add_scalars(out)
+            if micro == accum - 1:
+                _veto_if_nonfinite(step_loss, optimizer, precision, state, cfg, step)
+                local_norm = _local_grad_norm(engine) if log_now and engine.zero_optimization_stage() == 0 else None
+            engine.step()
+        window.add_step(step_loss / accum, micro_batch * accum * dist.world_size)
+        if log_now:
+            values = window.flush(
+                lr=lr,
+                grad_norm=_grad_norm(engine),
+                local_norm=local_norm,
+                engine=engine,
+                precision=precision,
+                state=state,
+            )
+            logger.scalars(step, values)
+            logger.progress(step, values)
+        if (
+            log_images is not None
+            and cfg.logging.image_every_steps
+            and (step % cfg.logging.image_every_steps == 0 or step == 1)
+        ):
+            log_images(step)
+        if evaluate is not None and cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total_steps:
+            logger.scalars(step, evaluate(step))
+        state.step = step
+        if step % cfg.checkpoint.every_steps == 0 or step == total_steps:
+            save_checkpoint(
+                engine,
+                run_dir=run_dir,
+                step=step,
+                dist=dist,
+                train_state=asdict(state),
+                config_yaml=config_yaml,
+                keep_last=cfg.checkpoint.keep_last,
+            )
+        if step == first_step:
+            logger.mark_start(step)  # keep the first step's one-off set-up cost out of the ETA
+    if evaluate is not None:
+        logger.scalars(total_steps, evaluate(total_steps))
+    return state
+
+
+def _veto_if_nonfinite(step_loss, optimizer, precision: str, state: TrainState, cfg: Config, step: int) -> None:
+    """All ranks agree whether any had a non-finite loss; if so the update is skipped on all of them."""
+    bad = all_reduce((~torch.isfinite(step_loss)).float())
+    if bad.item() == 0:
+        state.consecutive_nonfinite = 0
+        return
+    state.nonfinite_skipped += 1
+    state.consecutive_nonfinite += 1
+    if precision != "fp16":  # DeepSpeed's fp16 optimizer already skips overflowing steps itself
+        optimizer.skip_next = True
+    if state.consecutive_nonfinite >= cfg.engine.max_consecutive_nonfinite:
+        raise NonFiniteLossError(
+            f"stopping at step {step}: the loss was non-finite for {state.consecutive_nonfinite} steps in a row "
+            f"(engine.max_consecutive_nonfinite={cfg.engine.max_consecutive_nonfinite}); no update was applied for "
+            f"them and the last checkpoint in checkpoints/latest is intact. Lower optim.base_lr or check the data."
+        )
+
+
+class _Window:
+    """Accumulates what is logged every `logging.every_steps`, as device tensors until the flush."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.extra: dict[str, torch.Tensor] = {}
+        self.steps = self.micro_steps = self.samples = 0
+        self.data_wait = 0.0
+        self.corrupt = torch.zeros((), dtype=torch.int64)
+        self.start = time.perf_counter()
+
+    def add_scalars(self, out: dict) -> None:
+        self.micro_steps += 1
+        for key, value in out.items():
+            if key != "loss" and isinstance(value, torch.Tensor) and value.dim() == 0:
+                self.extra[key] = self.extra.get(key, 0) + value.detach().float()
+
+    def add_step(self, loss: torch.Tensor, samples: int) -> None:
+        self.loss += loss
+        self.steps += 1
+        self.samples += samples
+
+    def flush(self, *, lr, grad_norm, local_norm, engine, precision, state: TrainState) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.start
+        names = ["train/loss", *(f"train/{k}" for k in self.extra)]
+        means = torch.stack([self.loss / self.steps, *(v / self.micro_steps for v in self.extra.values())])
+        world = torch.distributed.get_world_size()
+        means = all_reduce(means.float()) / world
+        state.corrupt_samples += int(all_reduce(self.corrupt.to(self.device)).item())
+        values = dict(zip(names, means.tolist(), strict=True))
+        values["train/lr"] = lr
+        if grad_norm is None and local_norm is not None:
+            grad_norm = float(local_norm)
+        if grad_norm is not None:
+            values["train/grad_norm"] = grad_norm
+        if precision == "fp16":
+            values["train/loss_scale"] = float(engine.optimizer.cur_scale)
+            values["train/skipped_steps"] = float(engine.skipped_steps)
+        else:
+            values["train/skipped_steps"] = float(state.nonfinite_skipped)
+        values["perf/images_per_sec"] = self.samples / elapsed
+        values["perf/data_wait_fraction"] = self.data_wait / elapsed
+        values["perf/max_memory_gb"] = _max_memory_gb(self.device)
+        values["data/corrupt_samples"] = float(state.corrupt_samples)
+        self._reset()
+        return values

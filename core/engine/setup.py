@@ -1,0 +1,101 @@
+"""DeepSpeed set-up: the generated DeepSpeed JSON, the optimizer, and `parallelize`, the one keyword-only function
+that applies distribution to an objective from outside."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from timm.optim import param_groups_weight_decay
+from torch import nn
+
+from core.config import Config
+from core.engine.distributed import DistInfo
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW whose next update can be vetoed: after a non-finite loss on any rank the loop sets `skip_next`, and the
+    step leaves parameters, moments and the step count exactly as they were. DeepSpeed's ZeRO wrappers call this
+    object's `step` on their flat partitions, so the veto holds at every stage."""
+
+    skip_next: bool = False
+
+    def step(self, closure=None):
+        if self.skip_next:
+            self.skip_next = False
+            return None
+        return super().step(closure)
+
+
+def deepspeed_config(cfg: Config, world_size: int) -> dict:
+    """Every DeepSpeed key that changes behaviour, written explicitly (DeepSpeed's defaults move between versions:
+    e.g. `gradient_clipping` defaults to 1.0, which MAE does not use)."""
+    e = cfg.engine
+    return {
+        "train_batch_size": cfg.data.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.batch_size_per_device(world_size),
+        "gradient_accumulation_steps": e.grad_accum_steps,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        # bf16 runs as torch autocast over fp32 weights and fp32 optimizer state (see core/engine/loop.py).
+        "bf16": {"enabled": False},
+        "fp16": {
+            "enabled": e.precision == "fp16",
+            "loss_scale": 0,
+            "initial_scale_power": e.fp16_initial_scale_power,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "consecutive_hysteresis": False,
+            "min_loss_scale": 1,
+        },
+        "zero_optimization": {
+            "stage": e.zero_stage,
+            "contiguous_gradients": True,
+            "overlap_comm": False,
+            "reduce_scatter": True,
+            "reduce_bucket_size": 500_000_000,
+            "allgather_partitions": True,
+            "allgather_bucket_size": 500_000_000,
+            "round_robin_gradients": False,
+            "offload_optimizer": {"device": "none"},
+            "offload_param": {"device": "none"},
+            "stage3_prefetch_bucket_size": 50_000_000,
+            "stage3_param_persistence_threshold": 100_000,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_max_reuse_distance": 1_000_000_000,
+            "stage3_gather_16bit_weights_on_model_save": False,
+        },
+        "activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False},
+    }
+
+
+def build_optimizer(objective: nn.Module, cfg: Config, device: torch.device) -> GuardedAdamW:
+    """AdamW with no weight decay on biases, norm weights and the objective's `no_weight_decay()` names."""
+    skip = objective.no_weight_decay() if hasattr(objective, "no_weight_decay") else set()
+    groups = param_groups_weight_decay(objective, weight_decay=cfg.optim.weight_decay, no_weight_decay_list=skip)
+    # The fused kernel updates in one pass with no temporaries; the default CPU path allocates several
+    # parameter-sized buffers per step, which costs more than the arithmetic on big flat ZeRO partitions.
+    return GuardedAdamW(groups, lr=cfg.peak_lr, betas=cfg.optim.betas, eps=cfg.optim.eps, fused=True)
+
+
+def parallelize(objective: nn.Module, *, cfg: Config, dist: DistInfo, run_dir: Path):
+    """Wrap `objective` in a DeepSpeed engine on `dist.device`; writes `run_dir/deepspeed.json` on rank 0.
+
+    Returns:
+        (engine, optimizer): the DeepSpeed engine and the GuardedAdamW it steps.
+    """
+    import deepspeed
+
+    ds_config = deepspeed_config(cfg, dist.world_size)
+    if dist.is_main:
+        (run_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2))
+    objective.to(dist.device)
+    optimizer = build_optimizer(objective, cfg, dist.device)
+    engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
+    return engine, optimizer

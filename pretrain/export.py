@@ -1,0 +1,62 @@
+"""`python -m pretrain export RUN_DIR [--step N] [--out DIR]`: export a checkpoint's encoder, consolidated from any
+ZeRO stage, in timm's Hugging Face layout (config.json + model.safetensors + mimpipe.json)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from core.config import Config, load_config
+from core.engine.checkpoint import LATEST
+from core.engine.stage import export_state_dict
+
+
+def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
+    """fp32 weights of the whole objective from a DeepSpeed checkpoint, without starting any process group."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if zero_stage == 0:
+        states = torch.load(ckpt_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        return {k: v.float() for k, v in states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+
+
+def pretrain_manifest(cfg: Config, *, step: int, source: str) -> dict:
+    """What `mimpipe.json` says about a pretrained encoder (fine-tuning reads `pooling_hint`)."""
+    return {
+        "method": cfg.objective.kind,
+        "step": step,
+        "source": source,
+        "data": cfg.data.train,
+        "config": cfg.model_dump(mode="json"),
+        "pooling_hint": "avg",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pretrain export", description=__doc__)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/export)")
+    args = parser.parse_args(argv)
+
+    ckpt_dir = args.run_dir / "checkpoints"
+    if args.step is not None:
+        tag = f"step_{args.step:08d}"
+    elif (ckpt_dir / LATEST).is_file():
+        tag = (ckpt_dir / LATEST).read_text().strip()
+    else:
+        raise SystemExit(f"no checkpoint in {ckpt_dir} (no {LATEST} file)")
+    if not (ckpt_dir / tag).is_dir():
+        raise SystemExit(f"no checkpoint {ckpt_dir / tag}")
+    cfg = load_config(ckpt_dir / tag / "config.yaml")
+    state = consolidated_state_dict(ckpt_dir, tag, cfg.engine.zero_stage)
+    encoder = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
+    manifest = pretrain_manifest(cfg, step=int(tag.removeprefix("step_")), source=str(ckpt_dir / tag))
+    out = export_state_dict(cfg, encoder, args.out or args.run_dir / "export", num_classes=0, manifest=manifest)
+    print(f"exported {len(encoder)} encoder tensors from {ckpt_dir / tag} to {out}")
+    return 0
