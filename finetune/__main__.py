@@ -78,12 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     def run_eval(step: int) -> dict[str, float]:
         if not cfg.data.val:
             return {}
-        loader = make_eval_loader(resolve_shards(cfg.data.val), transform=eval_tf,
-                                  batch_size=cfg.data.eval_batch_size_per_device, rank=dist.rank,
-                                  world_size=dist.world_size, num_workers=cfg.data.num_workers)
+        loader = make_eval_loader(
+            resolve_shards(cfg.data.val),
+            transform=eval_tf,
+            batch_size=cfg.data.eval_batch_size_per_device,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            num_workers=cfg.data.num_workers,
+        )
         metrics = evaluate(engine, loader, dist=dist, precision=cfg.engine.precision)
-        logger.console(f"[mimpipe] step {step} eval: top1 {metrics['val/top1']:.4f}  top5 {metrics['val/top5']:.4f}"
-                       f"  loss {metrics['val/loss']:.4f}  ({int(metrics['val/samples'])} samples)")
+        logger.console(
+            f"[mimpipe] step {step} eval: top1 {metrics['val/top1']:.4f}  top5 {metrics['val/top5']:.4f}"
+            f"  loss {metrics['val/loss']:.4f}  ({int(metrics['val/samples'])} samples)"
+        )
         if metrics["val/top1"] > best["val/top1"]:  # every rank sees the same reduced value
             best.update(metrics, step=step)
             export_best(step, metrics)
@@ -92,21 +99,40 @@ def main(argv: list[str] | None = None) -> int:
     def export_best(step: int, metrics: dict[str, float]) -> None:
         state_dict = gather_state_dict(engine, engine.module.model, dist)
         if dist.is_main and cfg.checkpoint.export_at_end:
-            manifest = {"method": "finetune", "step": step, "source": cfg.model.init, "classes": classes,
-                        "metrics": metrics, "config": cfg.model_dump(mode="json"), "pooling_hint": cfg.model.global_pool}
+            manifest = {
+                "method": "finetune",
+                "step": step,
+                "source": cfg.model.init,
+                "classes": classes,
+                "metrics": metrics,
+                "config": cfg.model_dump(mode="json"),
+                "pooling_hint": cfg.model.global_pool,
+            }
             export_state_dict(cfg, state_dict, run_dir / "export", num_classes=num_classes, manifest=manifest)
 
     # Loop
     try:
-        train(cfg=cfg, engine=engine, optimizer=optimizer, batches=batches, dist=dist, state=state,
-              total_steps=total_steps, warmup_steps=warmup_steps, logger=logger, run_dir=run_dir,
-              config_yaml=config_yaml, evaluate=run_eval)
+        train(
+            cfg=cfg,
+            engine=engine,
+            optimizer=optimizer,
+            batches=batches,
+            dist=dist,
+            state=state,
+            total_steps=total_steps,
+            warmup_steps=warmup_steps,
+            logger=logger,
+            run_dir=run_dir,
+            config_yaml=config_yaml,
+            evaluate=run_eval,
+        )
     except NonFiniteLossError as err:
         logger.console(f"[mimpipe] {err}")
         return 3
     if cfg.data.val:
-        logger.console(f"[mimpipe] best val top1 {best['val/top1']:.4f} at step {best['step']}; "
-                       f"exported to {run_dir / 'export'}")
+        logger.console(
+            f"[mimpipe] best val top1 {best['val/top1']:.4f} at step {best['step']}; exported to {run_dir / 'export'}"
+        )
     logger.console(f"[mimpipe] TensorBoard: tensorboard --logdir {run_dir / 'tb'}")
     logger.close()
     shutdown()

@@ -9,8 +9,6 @@ from __future__ import annotations
 import sys
 
 import torch
-from data.pipeline import dataset_size, make_eval_loader, resolve_shards
-from data.transforms import eval_transform, pretrain_transform
 
 from core.config import load_config
 from core.engine.checkpoint import find_resume, load_checkpoint
@@ -27,6 +25,8 @@ from core.engine.stage import (
     train_stream,
 )
 from core.logging import MetricsLogger
+from data.pipeline import dataset_size, make_eval_loader, resolve_shards
+from data.transforms import eval_transform, pretrain_transform
 from pretrain.export import main as export_main
 from pretrain.export import pretrain_manifest
 from pretrain.objectives import build_objective, visualize

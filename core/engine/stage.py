@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from data.pipeline import make_train_loader, resolve_shards
 from torch import nn
 
 from core.config import Config, dump_config
 from core.engine.distributed import DistInfo
 from core.engine.export import export_model
 from core.models import build_vit, vit_model_args
+from data.pipeline import make_train_loader, resolve_shards
 
 
 def parse_stage_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
@@ -116,4 +116,10 @@ def export_state_dict(cfg: Config, state_dict: dict, out_dir: Path, *, num_class
     """Rebuild the plain timm model on CPU, load `state_dict` strictly and export it (timm HF layout)."""
     model = build_model(cfg, num_classes=num_classes)
     model.load_state_dict(state_dict, strict=True)
-    return export_model(model, out_dir, model_args=vit_model_args(model), manifest=manifest)
+    data_config = {
+        "mean": cfg.data.mean,
+        "std": cfg.data.std,
+        "interpolation": "bicubic",
+        "crop_pct": cfg.data.eval_crop_pct,
+    }
+    return export_model(model, out_dir, model_args=vit_model_args(model), manifest=manifest, data_config=data_config)

@@ -1,0 +1,176 @@
+"""Export a trained encoder as a timm-loadable folder: `timm.create_model('local-dir:DIR', pretrained=True)`.
+
+The folder holds timm's Hugging Face layout plus our manifest:
+
+    config.json        architecture, model_args, pretrained_cfg (mean/std/input_size/interpolation), num_classes
+    model.safetensors  the encoder state dict, tensors only (never pickled)
+    mimpipe.json       how it was made: the caller's manifest + created time, tensor count, library versions
+
+The export is written into a temporary folder beside `out_dir` and renamed into place only once complete and
+verified, so a crash leaves either the previous export or the new one, never a half-written mix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import timm
+import torch
+from timm.models import VisionTransformer
+
+# timm exports its config writer only through `save_for_hf`, which saves `model.state_dict()` as is; we write the
+# tensors ourselves (detached, contiguous, unshared copies) and reuse timm's config writer for config.json.
+from timm.models._hub import save_config_for_hf
+
+MANIFEST_NAME = "mimpipe.json"
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+_ADDED_MANIFEST_KEYS = ("created", "num_tensors", "num_params", "versions")
+_DATA_CONFIG_KEYS = ("mean", "std", "interpolation", "crop_pct", "crop_mode")
+
+
+def export_model(
+    model: VisionTransformer,
+    out_dir: str | Path,
+    *,
+    model_args: dict,
+    manifest: dict,
+    data_config: dict | None = None,
+) -> Path:
+    """Write `model` as a timm `local-dir` folder with a manifest, atomically replacing any previous export.
+
+    Args:
+        model: A materialised CPU timm ViT (built by `timm.create_model`, so it carries its `pretrained_cfg`).
+        out_dir: Export folder; created, or replaced if it already holds a mimpipe export.
+        model_args: Arguments that rebuild the architecture (img_size, patch_size, embed_dim, depth, num_heads,
+            mlp_ratio, global_pool, ...). Drop rates are left out: regularisation is the fine-tuner's choice.
+        manifest: JSON-serialisable facts about the run (method, step, recipe, data, pooling hint, ...).
+        data_config: Preprocessing the encoder was trained with (mean, std, interpolation, crop_pct, crop_mode),
+            written into config.json's `pretrained_cfg`; the model's own defaults otherwise.
+
+    Returns:
+        The export folder.
+
+    Raises:
+        ValueError: `out_dir` exists and is not a mimpipe export, the manifest is not JSON-serialisable or uses a
+            reserved key, a data_config key is unknown, or the written config does not rebuild `model`.
+    """
+    out_dir = Path(out_dir)
+    _check_replaceable(out_dir)
+    tensors = _detached_state_dict(model)
+    full_manifest = _complete_manifest(manifest, tensors)
+    overlay = _pretrained_cfg_overlay(data_config)
+    arch_args = {k: v for k, v in model_args.items() if not k.endswith("drop_rate") and k != "drop_path_rate"}
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
+    tmp_dir.mkdir()  # the usual umask permissions, unlike tempfile.mkdtemp's 0o700
+    try:
+        safetensors.torch.save_file(tensors, tmp_dir / WEIGHTS_NAME, metadata={"format": "pt"})
+        save_config_for_hf(model, tmp_dir / CONFIG_NAME, model_config={"pretrained_cfg": overlay}, model_args=arch_args)
+        (tmp_dir / MANIFEST_NAME).write_text(json.dumps(full_manifest, indent=2) + "\n")
+        _check_rebuilds(model, tmp_dir, tensors)
+        for name in (WEIGHTS_NAME, CONFIG_NAME, MANIFEST_NAME):
+            _fsync(tmp_dir / name)
+        _fsync(tmp_dir)
+        _swap_in(tmp_dir, out_dir)
+    finally:
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir)
+    return out_dir
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """Refuse to replace anything but an empty folder or an earlier export (a run dir passed by mistake)."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ValueError(f"export path {out_dir} exists and is not a folder")
+    if any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).is_file():
+        raise ValueError(f"export path {out_dir} is a non-empty folder without {MANIFEST_NAME}; refusing to replace it")
+
+
+def _detached_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """CPU copies with their own contiguous storage: safetensors refuses shared or strided tensors (e.g. views
+    into a flat optimizer buffer); dtypes (fp32 / bf16) are kept as given."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+
+
+def _complete_manifest(manifest: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    reserved = sorted(set(manifest) & set(_ADDED_MANIFEST_KEYS))
+    if reserved:
+        raise ValueError(f"manifest keys {reserved} are reserved: export_model writes them itself")
+    full = {
+        **manifest,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "num_tensors": len(tensors),
+        "num_params": sum(t.numel() for t in tensors.values()),
+        "versions": {"torch": torch.__version__, "timm": timm.__version__, "safetensors": safetensors.__version__},
+    }
+    try:
+        json.dumps(full)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"manifest is not JSON-serialisable: {e}") from e
+    return full
+
+
+def _pretrained_cfg_overlay(data_config: dict | None) -> dict:
+    data_config = dict(data_config or {})
+    unknown = sorted(set(data_config) - set(_DATA_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"data_config keys {unknown} are not preprocessing keys {list(_DATA_CONFIG_KEYS)}")
+    for key in ("mean", "std"):
+        if key in data_config:
+            data_config[key] = tuple(float(v) for v in data_config[key])
+    # The source tag of the registry's default weights (e.g. 'augreg_in21k_ft_in1k') does not describe ours.
+    return {"tag": "mimpipe", **data_config}
+
+
+def _check_rebuilds(model: VisionTransformer, export_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Build the architecture from the written config on the meta device and compare it with `model`."""
+    with torch.device("meta"):
+        rebuilt = timm.create_model(f"local-dir:{export_dir}", pretrained=False)
+    shapes = {k: tuple(v.shape) for k, v in rebuilt.state_dict().items()}
+    problems = [
+        f"{k}: config builds {shapes.get(k)} vs model {tuple(t.shape)}"
+        for k, t in tensors.items()
+        if shapes.get(k) != tuple(t.shape)
+    ]
+    problems += [f"{k}: config builds it, model has no such tensor" for k in shapes if k not in tensors]
+    heads = [b.attn.num_heads for b in model.blocks], [b.attn.num_heads for b in rebuilt.blocks]
+    if heads[0] != heads[1]:
+        problems.append(f"num_heads: config builds {heads[1][0]} vs model {heads[0][0]}")
+    if problems:
+        raise ValueError("model_args do not rebuild the exported model:\n  " + "\n  ".join(problems))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_in(tmp_dir: Path, out_dir: Path) -> None:
+    """Rename the finished export into place; an existing export is moved aside first and removed after."""
+    if not out_dir.exists():
+        os.replace(tmp_dir, out_dir)
+    else:
+        old_dir = out_dir.parent / f".{out_dir.name}.old-{secrets.token_hex(4)}"
+        os.replace(out_dir, old_dir)
+        try:
+            os.replace(tmp_dir, out_dir)
+        except BaseException:
+            os.replace(old_dir, out_dir)
+            raise
+        shutil.rmtree(old_dir)
+    _fsync(out_dir.parent)

@@ -1,0 +1,171 @@
+"""Builds the timm Vision Transformer backbone and the fixed 2-D sin-cos position embedding.
+
+The backbone is a plain `timm.models.vision_transformer.VisionTransformer` created through `timm.create_model`
+under a registered architecture name, so an exported `config.json` ("architecture" + "model_args") rebuilds the
+same model in stock timm. Nothing distributed lives here.
+
+Shape legend:
+    D: embedding width    gh, gw: patch grid rows, columns    N: gh * gw patches    P: prefix (cls) tokens
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import timm
+import torch
+from timm.models import get_model_args
+from timm.models.vision_transformer import VisionTransformer
+
+VIT_SIZES: dict[str, dict] = {
+    "tiny": dict(embed_dim=192, depth=12, num_heads=3),
+    "small": dict(embed_dim=384, depth=12, num_heads=6),
+    "base": dict(embed_dim=768, depth=12, num_heads=12),
+    "large": dict(embed_dim=1024, depth=24, num_heads=16),
+    "huge": dict(embed_dim=1280, depth=32, num_heads=16),
+}
+
+# timm registers every size at patch 16 except huge (patch 14 only); used when `vit_{size}_patch{p}_224` is absent.
+_FALLBACK_ARCHITECTURES = {
+    "tiny": "vit_tiny_patch16_224",
+    "small": "vit_small_patch16_224",
+    "base": "vit_base_patch16_224",
+    "large": "vit_large_patch16_224",
+    "huge": "vit_huge_patch14_224",
+}
+
+
+def _as_pair(size: int | Sequence[int]) -> tuple[int, int]:
+    if isinstance(size, int):
+        return size, size
+    height, width = size
+    return int(height), int(width)
+
+
+def _architecture_name(size: str, patch_size: int) -> str:
+    """Returns the registered timm name closest to the request; model_args override its structure anyway."""
+    name = f"vit_{size}_patch{patch_size}_224"
+    return name if timm.is_model(name) else _FALLBACK_ARCHITECTURES[size]
+
+
+def build_vit(
+    size: str = "base",
+    *,
+    img_size: int | tuple[int, int],
+    patch_size: int,
+    in_chans: int = 3,
+    num_classes: int = 0,
+    global_pool: str = "token",
+    drop_path_rate: float = 0.0,
+    embed_dim: int | None = None,
+    depth: int | None = None,
+    num_heads: int | None = None,
+    mlp_ratio: float = 4.0,
+    **timm_kwargs: Any,
+) -> VisionTransformer:
+    """Builds a randomly initialised timm ViT of a named size, optionally with custom width/depth/heads.
+
+    Args:
+        size: One of `VIT_SIZES`; gives the default `embed_dim`, `depth` and `num_heads`.
+        img_size: Input resolution, an int for square images or (height, width).
+        patch_size: Side of the square patches; must divide both image sides.
+        in_chans: Input image channels.
+        num_classes: Classifier outputs; 0 means no head (a pure encoder).
+        global_pool: timm pooling type, e.g. "token" or "avg".
+        drop_path_rate: Stochastic depth rate of the last block.
+        embed_dim: Overrides the size's width.
+        depth: Overrides the size's number of blocks.
+        num_heads: Overrides the size's number of attention heads.
+        mlp_ratio: MLP hidden width relative to `embed_dim`.
+        **timm_kwargs: Further `VisionTransformer` arguments (e.g. `qkv_bias`, `init_values`).
+
+    Returns:
+        The model; `model.pretrained_cfg["architecture"]` and `vit_model_args(model)` rebuild it in timm.
+
+    Raises:
+        ValueError: On an unknown size or an image side not divisible by the patch size.
+    """
+    if size not in VIT_SIZES:
+        raise ValueError(f"Unknown ViT size {size!r}; expected one of {sorted(VIT_SIZES)}")
+    height, width = _as_pair(img_size)
+    if height % patch_size or width % patch_size:
+        raise ValueError(f"img_size {(height, width)} is not divisible by patch_size {patch_size}")
+    dims = VIT_SIZES[size]
+    model_args = dict(
+        img_size=(height, width),
+        patch_size=patch_size,
+        in_chans=in_chans,
+        num_classes=num_classes,
+        global_pool=global_pool,
+        drop_path_rate=drop_path_rate,
+        embed_dim=dims["embed_dim"] if embed_dim is None else embed_dim,
+        depth=dims["depth"] if depth is None else depth,
+        num_heads=dims["num_heads"] if num_heads is None else num_heads,
+        mlp_ratio=mlp_ratio,
+        **timm_kwargs,
+    )
+    return timm.create_model(_architecture_name(size, patch_size), pretrained=False, **model_args)
+
+
+def vit_model_args(model: VisionTransformer) -> dict[str, Any]:
+    """Returns the keyword arguments that rebuild `model` with `timm.create_model(architecture, **args)`.
+
+    timm's recorded construction arguments (which keep extra options such as `qkv_bias`) are completed with the
+    structure read from the model itself, so the result does not depend on how the model was created. Runtime-only
+    options (drop rates) are left out, as timm does.
+
+    Args:
+        model: A timm VisionTransformer.
+
+    Returns:
+        JSON-serialisable arguments (tuples become lists in JSON, which timm accepts).
+    """
+    first_block = model.blocks[0]
+    args = get_model_args(model)
+    args.update(
+        img_size=tuple(model.patch_embed.img_size),
+        patch_size=tuple(model.patch_embed.patch_size),
+        in_chans=model.patch_embed.proj.in_channels,
+        num_classes=model.num_classes,
+        global_pool=model.global_pool,
+        embed_dim=model.embed_dim,
+        depth=len(model.blocks),
+        num_heads=first_block.attn.num_heads,
+        class_token=model.has_class_token,
+        reg_tokens=model.num_reg_tokens,
+        no_embed_class=model.no_embed_class,
+    )
+    # Block sizes its MLP as int(dim * mlp_ratio); the recorded ratio is exact, the derived one may round.
+    args.setdefault("mlp_ratio", first_block.mlp.fc1.out_features / model.embed_dim)
+    return args
+
+
+def sincos_pos_embed_2d(embed_dim: int, grid_size: tuple[int, int], num_prefix_tokens: int = 1) -> torch.Tensor:
+    """Fixed 2-D sin-cos position embedding with MAE's layout.
+
+    Patches are numbered row-major. The first half of the channels encodes the column index, the second half the
+    row index; each half is [sin(pos * w_k) for k] followed by [cos(pos * w_k) for k], with
+    w_k = 10000 ** (-k / (embed_dim / 4)), k = 0 .. embed_dim / 4 - 1. Prefix tokens get zeros.
+
+    Args:
+        embed_dim: Channels D; must be divisible by 4.
+        grid_size: (gh, gw) patch grid.
+        num_prefix_tokens: Leading zero rows for cls/register tokens.
+
+    Returns:
+        (1, P + gh * gw, D) float32 tensor.
+    """
+    if embed_dim % 4:
+        raise ValueError(f"embed_dim {embed_dim} must be divisible by 4 for a 2-D sin-cos position embedding")
+    num_freqs = embed_dim // 4
+    freqs = 1.0 / 10000 ** (torch.arange(num_freqs, dtype=torch.float64) / num_freqs)  # (D/4,)
+    rows, cols = torch.meshgrid(
+        torch.arange(grid_size[0], dtype=torch.float64), torch.arange(grid_size[1], dtype=torch.float64), indexing="ij"
+    )  # (gh, gw) each
+
+    def encode(positions: torch.Tensor) -> torch.Tensor:
+        angles = positions.reshape(-1, 1) * freqs  # (N, D/4)
+        return torch.cat([angles.sin(), angles.cos()], dim=1)  # (N, D/2)
+
+    patches = torch.cat([encode(cols), encode(rows)], dim=1)  # (N, D)
+    prefix = torch.zeros(num_prefix_tokens, embed_dim, dtype=torch.float64)  # (P, D)
+    return torch.cat([prefix, patches], dim=0).float().unsqueeze(0)  # (1, P + N, D)

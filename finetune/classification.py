@@ -1,0 +1,69 @@
+"""The fine-tuning objective: image classification with a timm ViT and cross-entropy (optionally label-smoothed).
+
+Shapes: B batch, K classes, H/W image height/width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from timm.models import VisionTransformer
+from torch import nn
+
+
+class Classification(nn.Module):
+    """Wraps the ViT (with its K-class head) and returns the loss and the scalars to log.
+
+    Args:
+        model: timm ViT with a classification head (`num_classes` > 0).
+        label_smoothing: Probability mass spread uniformly over the K classes, in [0, 1).
+    """
+
+    def __init__(self, model: VisionTransformer, *, label_smoothing: float = 0.0):
+        super().__init__()
+        if model.num_classes <= 0:
+            raise ValueError(f"Classification needs a model with a head; model.num_classes is {model.num_classes}")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        self.model = model
+        self.label_smoothing = label_smoothing
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Classify a batch.
+
+        Args:
+            batch: "image" (B, 3, H, W) and "label": class indices (B,), or class probabilities (B, K) as made
+                by mixup / cutmix (which smooth labels themselves; keep label_smoothing 0 with them).
+
+        Returns:
+            "loss": fp32 scalar cross-entropy, "acc1": fp32 scalar top-1 accuracy of this batch (against the
+            most probable class for soft labels), "logits": (B, K) fp32.
+        """
+        labels = batch["label"]
+        logits = self.model(batch["image"]).float()  # (B, K); fp32 even under bf16 autocast
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
+        hard_labels = labels.argmax(dim=-1) if labels.ndim == 2 else labels  # (B,)
+        acc1 = (logits.argmax(dim=-1) == hard_labels).float().mean()
+        return {"loss": loss, "acc1": acc1, "logits": logits}
+
+    def no_weight_decay(self) -> set[str]:
+        """Full parameter names kept out of weight decay: position embedding and prefix tokens (timm's list)."""
+        names = {name for name, _ in self.named_parameters()}
+        return {f"model.{name}" for name in self.model.no_weight_decay()} & names
+
+
+def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> torch.Tensor:
+    """Number of samples whose label is among the k highest logits, for each k.
+
+    Args:
+        logits: (B, K) scores.
+        labels: (B,) class indices.
+        ks: The k values; a k above K counts as K (every sample correct).
+
+    Returns:
+        (len(ks),) int64 counts.
+    """
+    num_classes = logits.shape[-1]
+    top = logits.topk(min(max(ks), num_classes), dim=-1).indices  # (B, maxk), best first
+    hits = top == labels[:, None]  # (B, maxk)
+    return torch.stack([hits[:, : min(k, num_classes)].any(dim=-1).sum() for k in ks])

@@ -1,0 +1,122 @@
+"""Shared pieces for the multi-process tests: synthetic shards, tiny recipes, and running launch.sh for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY_MODEL = {"size": "tiny", "embed_dim": 32, "depth": 2, "num_heads": 2, "img_size": 16, "patch_size": 4}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_recipe(path: Path, recipe: dict) -> Path:
+    path.write_text("# ./launch.sh " + path.name + "  (written by the test)\n" + yaml.safe_dump(recipe))
+    return path
+
+
+def launch(recipe: Path, *overrides: str, nproc: int = 2, timeout: int = 300, extra_env: dict | None = None):
+    """Run ./launch.sh as a user would; returns the CompletedProcess (stdout and stderr merged)."""
+    env = {
+        **os.environ,
+        "NPROC_PER_NODE": str(nproc),
+        "MASTER_PORT": str(free_port()),
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
+    }
+    return subprocess.run(
+        [str(REPO / "launch.sh"), str(recipe), *overrides],
+        cwd=REPO,
+        env=env,
+        timeout=timeout,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["train/loss"] for m in read_metrics(run_dir) if "train/loss" in m}
+
+
+def _write_synthetic(out: Path, split: str, num: int, shard_size: int, seed: int) -> Path:
+    cmd = [
+        sys.executable,
+        "-m",
+        "data",
+        "write",
+        "--source",
+        "synthetic",
+        "--split",
+        split,
+        "--out",
+        str(out),
+        "--shard-size",
+        str(shard_size),
+        "--num-samples",
+        str(num),
+        "--image-size",
+        "16",
+        "--num-classes",
+        "4",
+        "--seed",
+        str(seed),
+    ]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory) -> dict[str, Path]:
+    """Synthetic 16 px, 4 classes: train 512 samples in 8 shards, val 203 samples in 3 uneven shards."""
+    root = tmp_path_factory.mktemp("shards")
+    return {
+        "train": _write_synthetic(root / "train", "train", 512, 64, seed=0),
+        "val": _write_synthetic(root / "val", "val", 203, 70, seed=1),
+    }
+
+
+def pretrain_recipe(shards: dict[str, Path], run_dir: Path, **sections) -> dict:
+    recipe = {
+        "stage": "pretrain",
+        "run_dir": str(run_dir),
+        "model": dict(TINY_MODEL),
+        "data": {"train": str(shards["train"]), "global_batch_size": 32, "num_workers": 1, "shuffle_buffer": 64},
+        "objective": {"kind": "mae", "decoder_embed_dim": 32, "decoder_depth": 1, "decoder_num_heads": 2},
+        "optim": {"base_lr": 1e-3},
+        "schedule": {"steps": 6, "warmup_steps": 2},
+        "engine": {"zero_stage": 2},
+        "checkpoint": {"every_steps": 3, "keep_last": 2},
+        "logging": {"every_steps": 1, "image_every_steps": 3},
+    }
+    for key, value in sections.items():
+        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
+    return recipe
+
+
+@pytest.fixture(scope="session")
+def zero2_run(shards, tmp_path_factory):
+    """6 steps of MAE, ZeRO-2, 2 processes, checkpoints at 3 and 6."""
+    tmp = tmp_path_factory.mktemp("zero2")
+    recipe = write_recipe(tmp / "tiny_mae.yaml", pretrain_recipe(shards, tmp / "run"))
+    proc = launch(recipe)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return tmp / "run", proc.stdout

@@ -1,0 +1,82 @@
+"""Worker for test_nonfinite.py (run under torchrun): a toy objective whose loss is NaN on chosen (step, rank)
+pairs, trained by the real loop on a real DeepSpeed engine. Writes what it saw to OUT/rank_R.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core.config import dump_config, load_config
+from core.engine.distributed import init_distributed
+from core.engine.loop import NonFiniteLossError, TrainState, train
+from core.engine.setup import parallelize
+from core.logging import MetricsLogger
+
+NAN_AT = {(3, 1), (5, 0), (6, 0), (7, 1)}  # (step, rank): 3 alone, then 5, 6, 7 in a row -> stop at 7
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, batch: dict) -> dict:
+        return {"loss": (self.lin(batch["image"]) ** 2).mean() * batch["scale"]}
+
+
+def main(out: Path, zero_stage: int) -> None:
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={out / 'run'}",
+            "schedule.steps=8",
+            "engine.max_consecutive_nonfinite=3",
+            f"engine.zero_stage={zero_stage}",
+            "engine.precision=fp32",
+            "data.global_batch_size=4",
+            "checkpoint.every_steps=2",
+            "logging.every_steps=1",
+            "optim.base_lr=0.1",
+        ],
+    )
+    dist = init_distributed("cpu")
+    torch.manual_seed(0)
+    engine, optimizer = parallelize(Toy(), cfg=cfg, dist=dist, run_dir=out)
+    snapshots: dict[int, list[float]] = {}
+
+    def batches():
+        for step in range(1, 100):
+            snapshots[step] = [v for p in engine.module.parameters() for v in p.detach().flatten().tolist()]
+            scale = float("nan") if (step, dist.rank) in NAN_AT else 1.0
+            yield {"image": torch.randn(2, 4), "scale": torch.tensor(scale), "num_corrupt": torch.tensor(0)}
+
+    logger = MetricsLogger(out / "run", enabled=dist.is_main, tensorboard=False, total_steps=8)
+    state = TrainState()
+    try:
+        train(
+            cfg=cfg,
+            engine=engine,
+            optimizer=optimizer,
+            batches=batches(),
+            dist=dist,
+            state=state,
+            total_steps=8,
+            warmup_steps=0,
+            logger=logger,
+            run_dir=out / "run",
+            config_yaml=dump_config(cfg),
+        )
+        error = None
+    except NonFiniteLossError as err:
+        error = str(err)
+    logger.close()
+    result = {"snapshots": snapshots, "error": error, "state": state.__dict__}
+    (out / f"rank_{dist.rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))

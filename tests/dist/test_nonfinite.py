@@ -1,0 +1,47 @@
+"""Recipe: defaults + a toy objective (tests/dist/nonfinite_worker.py), 2 gloo processes, ZeRO 0 and 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist.conftest import REPO, free_port, read_metrics
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_nonfinite_loss_skips_update_on_every_rank_then_stops(tmp_path, zero_stage):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(REPO / "tests" / "dist" / "nonfinite_worker.py"),
+        str(tmp_path),
+        str(zero_stage),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    for result in ranks:
+        snaps = {int(k): v for k, v in result["snapshots"].items()}
+        assert snaps[2] != snaps[3]  # step 2 updated
+        assert snaps[3] == snaps[4]  # NaN on rank 1 only at step 3: no rank updated
+        assert snaps[4] != snaps[5]  # step 4 updated again
+        assert snaps[5] == snaps[6] == snaps[7]  # steps 5 and 6 skipped
+        assert "non-finite for 3 steps in a row" in result["error"] and "stopping at step 7" in result["error"]
+        assert result["state"]["nonfinite_skipped"] == 4
+    assert ranks[0]["snapshots"] == ranks[1]["snapshots"]
+    # the checkpoint of step 6 (taken after two skipped steps) is the latest, and step 7 never reached one
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000006"
+    skipped = {m["step"]: m["train/skipped_steps"] for m in read_metrics(tmp_path / "run")}
+    assert skipped[2] == 0 and skipped[3] == 1 and skipped[6] == 3

@@ -1,0 +1,83 @@
+"""Recipe: tiny MAE (tests/dist/conftest.py `pretrain_recipe`) through ./launch.sh with 2 gloo processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file
+
+from tests.dist.conftest import REPO, launch, losses, pretrain_recipe, read_metrics, write_recipe
+
+pytestmark = pytest.mark.dist
+
+
+def test_zero2_run_logs_checkpoints_and_exports(zero2_run, monkeypatch):
+    run_dir, output = zero2_run
+    assert "global batch 32 = 16 per device x 1 accumulation x 2 ranks" in output
+    assert json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 2
+    steps = losses(run_dir)
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in steps.values())
+    last = read_metrics(run_dir)[-1]
+    assert last["perf/images_per_sec"] > 0 and 0 <= last["perf/data_wait_fraction"] <= 1
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000006"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = timm.create_model(f"local-dir:{run_dir / 'export'}", pretrained=True)
+    exported = load_file(str(run_dir / "export" / "model.safetensors"))
+    assert set(model.state_dict()) == set(exported)
+    assert model.patch_embed.grid_size == (4, 4) and model.embed_dim == 32
+    assert json.loads((run_dir / "export" / "mimpipe.json").read_text())["step"] == 6
+
+
+def test_export_from_zero2_checkpoint_at_an_earlier_step(zero2_run, tmp_path):
+    run_dir, _ = zero2_run
+    out = tmp_path / "export_step3"
+    cmd = [sys.executable, "-m", "pretrain", "export", str(run_dir), "--step", "3", "--out", str(out)]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    early, final = load_file(str(out / "model.safetensors")), load_file(str(run_dir / "export" / "model.safetensors"))
+    assert set(early) == set(final)
+    assert torch.equal(early["pos_embed"], final["pos_embed"])  # fixed sin-cos, never trained
+    assert not torch.equal(early["blocks.0.attn.qkv.weight"], final["blocks.0.attn.qkv.weight"])
+
+    again = tmp_path / "export_step6"
+    subprocess.run([*cmd[:5], "--out", str(again)], cwd=REPO, check=True, capture_output=True)
+    latest = load_file(str(again / "model.safetensors"))
+    assert all(torch.equal(latest[k], final[k]) for k in final)  # offline consolidation == in-run export
+
+
+def test_resume_gives_the_same_next_losses(zero2_run, tmp_path):
+    """Restart from the step-3 checkpoint of the finished run: steps 4-6 must repeat exactly."""
+    run_dir, _ = zero2_run
+    resumed = tmp_path / "run"
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000006")
+    (resumed / "checkpoints" / "latest").write_text("step_00000003")
+    (resumed / "metrics.jsonl").unlink()
+    recipe_path = tmp_path / "resume.yaml"
+    recipe_path.write_text((run_dir / "config.yaml").read_text().replace(str(run_dir), str(resumed)))
+    proc = launch(recipe_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
+    before, after = losses(run_dir), losses(resumed)
+    assert sorted(after) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert after[step] == pytest.approx(before[step], rel=1e-6, abs=1e-7), step
+
+
+def test_bad_recipe_fails_before_any_process_starts(shards, tmp_path):
+    recipe = write_recipe(tmp_path / "bad.yaml", pretrain_recipe(shards, tmp_path / "run"))
+    proc = launch(recipe, "optim.base_rl=1e-3")
+    assert proc.returncode == 2
+    assert "optim.base_rl: unknown key (did you mean 'base_lr'?)" in proc.stdout
+    assert not (tmp_path / "run").exists()
+    proc = launch(recipe, "data.global_batch_size=33", nproc=2)
+    assert proc.returncode == 2 and "data.global_batch_size 33 is not divisible by world size 2" in proc.stdout

@@ -1,0 +1,122 @@
+"""Recipe schema: strictness, hints, overrides, recipes in recipes/, batch/lr/step arithmetic."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.config import ConfigError, dump_config, load_config
+
+RECIPES = sorted(Path(__file__).resolve().parents[2].glob("recipes/*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_loads_and_starts_with_its_command(recipe):
+    cfg = load_config(recipe)
+    first = recipe.read_text().splitlines()[0]
+    assert first.startswith("#") and "launch.sh" in first
+    assert cfg.peak_lr > 0
+
+
+def test_recipes_exist():
+    names = {p.name for p in RECIPES}
+    assert {
+        "quickstart.yaml",
+        "quickstart_finetune.yaml",
+        "mae_vitb.yaml",
+        "mae_vitl.yaml",
+        "mae_vith.yaml",
+        "finetune_vitl.yaml",
+    } <= names
+
+
+def test_mae_vitl_is_the_paper_recipe():
+    cfg = load_config(RECIPES[0].parent / "mae_vitl.yaml")
+    assert cfg.data.global_batch_size == 4096
+    assert cfg.peak_lr == pytest.approx(2.4e-3)
+    assert cfg.steps(1281167) == (250228, 12512)  # 800 and 40 epochs of ImageNet-1k at 4096
+    assert cfg.optim.betas == (0.9, 0.95) and cfg.optim.weight_decay == 0.05 and cfg.optim.grad_clip == 0
+    assert cfg.objective.mask_ratio == 0.75 and cfg.objective.norm_pix_loss
+    assert (cfg.engine.precision, cfg.engine.zero_stage) == ("bf16", 1)
+    assert (cfg.model.size, cfg.model.patch_size) == ("large", 16)
+
+
+def test_base_recipe_is_merged_and_overridden():
+    cfg = load_config(RECIPES[0].parent / "mae_vith.yaml")
+    assert (cfg.model.size, cfg.model.patch_size, cfg.model.img_size) == ("huge", 14, 224)
+    assert cfg.engine.zero_stage == 2 and cfg.data.global_batch_size == 4096
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        (["optim.base_rl=1e-3"], "optim.base_rl: unknown key (did you mean 'base_lr'?)"),
+        (["objective.mask_ratoi=0.5"], "objective.mask_ratoi: unknown key (did you mean 'mask_ratio'?)"),
+        (["modle.size=base"], "modle: unknown key (did you mean 'model'?)"),
+        (["objective.mask_ratio=1.0"], "objective.mask_ratio"),
+        (["objective.mask_ratio=0"], "objective.mask_ratio"),
+        (["model.img_size=30"], "not divisible by model.patch_size"),
+        (["data.global_batch_size=abc"], "data.global_batch_size"),
+        (["data.global_batch_size=10", "engine.grad_accum_steps=3"], "engine.grad_accum_steps"),
+        (["engine.zero_stage=4"], "engine.zero_stage"),
+        (["stage=finetune", "objective.kind=mae"], "does not fit stage"),
+    ],
+)
+def test_bad_values_name_the_key(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, override)
+    assert fragment in str(err.value)
+
+
+def test_unknown_key_in_recipe_file_names_file_and_key(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {size: base, pach_size: 16}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe)
+    assert str(recipe) in str(err.value) and "model.pach_size: unknown key (did you mean 'patch_size'?)" in str(
+        err.value
+    )
+
+
+def test_precedence_defaults_recipe_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("optim: {base_lr: 1.0e-3, weight_decay: 0.1}\nschedule: {steps: 7}\n")
+    cfg = load_config(recipe, ["optim.base_lr=2e-3", "model.img_size=[32, 48]", "model.patch_size=8"])
+    assert cfg.optim.base_lr == 2e-3 and cfg.optim.weight_decay == 0.1  # override wins, recipe kept
+    assert cfg.optim.betas == (0.9, 0.95)  # default
+    assert cfg.model.grid == (4, 6)
+
+
+def test_two_level_base_is_refused(tmp_path):
+    (tmp_path / "a.yaml").write_text("schedule: {steps: 1}\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    (tmp_path / "c.yaml").write_text("base: b.yaml\n")
+    with pytest.raises(ConfigError, match="at most one parent"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(RECIPES[0].parent / "quickstart_finetune.yaml", ["optim.base_lr=3e-4"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+    assert yaml.safe_load(path.read_text())["objective"]["kind"] == "classification"
+
+
+def test_batch_split_and_lr_rules():
+    cfg = load_config(None, ["data.global_batch_size=4096", "engine.grad_accum_steps=4", "optim.base_lr=1.5e-4"])
+    assert cfg.batch_size_per_device(8) == 128
+    with pytest.raises(ConfigError, match="world size 3"):
+        cfg.batch_size_per_device(3)
+    assert cfg.peak_lr == pytest.approx(2.4e-3)
+    absolute = load_config(None, ["optim.lr_rule=absolute", "optim.base_lr=1.5e-3", "data.global_batch_size=2048"])
+    assert absolute.peak_lr == 1.5e-3
+
+
+def test_epochs_convert_once_to_steps():
+    cfg = load_config(None, ["schedule={epochs: 2.5, warmup_epochs: 0.5}", "data.global_batch_size=100"])
+    assert cfg.steps(1000) == (25, 5)
+    with pytest.raises(ConfigError, match="samples_per_epoch"):
+        cfg.steps(None)
+    with pytest.raises(ConfigError, match="exactly one of schedule.steps and schedule.epochs"):
+        load_config(None, ["schedule={steps: 3, epochs: 1}"])

@@ -1,0 +1,206 @@
+"""Hand-off of a pretrained encoder to fine-tuning: load, resize pos_embed, map the final norm, drop, zero the head."""
+
+import json
+
+import pytest
+import safetensors.torch
+import timm
+import torch
+
+from core.engine.export import export_model
+from finetune.handoff import load_encoder
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def tiny_vit(img_size=28, global_pool="token", num_classes=0, embed_dim=64, depth=2, patch_size=4, seed=0):
+    torch.manual_seed(seed)
+    args = dict(img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=4)
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, num_classes=num_classes, global_pool=global_pool, **args
+    ).eval()
+
+
+def export_folder(model, out_dir):
+    args = dict(img_size=model.patch_embed.img_size, patch_size=model.patch_embed.patch_size[0])
+    return export_model(model, out_dir, model_args=args, manifest={"method": "mae", "step": 7})
+
+
+def mae_checkpoint(encoder, path, pos_embed=None):
+    """A bare pretraining file: encoder tensors plus an MAE decoder and mask token (not in any fine-tuning model)."""
+    state = {k: v.clone() for k, v in encoder.state_dict().items()}
+    if pos_embed is not None:
+        state["pos_embed"] = pos_embed
+    state["mask_token"] = torch.zeros(1, 1, 32)
+    state["decoder_pos_embed"] = torch.zeros(1, 50, 32)
+    state |= {f"decoder_blocks.{i}.{name}": torch.randn(32) for i in range(2) for name in ("norm1.weight", "fc.bias")}
+    state |= {"decoder_pred.weight": torch.randn(48, 32), "head.weight": torch.randn(5, 64), "head.bias": torch.ones(5)}
+    safetensors.torch.save_file(state, path)
+    return state
+
+
+def ramp_pos_embed(rows, cols, row_slope=2.0, col_slope=3.0, cls_value=-5.0, dim=64):
+    """(1, 1 + rows*cols, dim): the cls position holds `cls_value`, grid position (r, c) holds 1 + a*r + b*c."""
+    r, c = torch.meshgrid(torch.arange(rows).float(), torch.arange(cols).float(), indexing="ij")
+    grid = (1 + row_slope * r + col_slope * c).reshape(1, rows * cols, 1).expand(1, rows * cols, dim)
+    return torch.cat([torch.full((1, 1, dim), cls_value), grid], dim=1)
+
+
+def resampled_coords(old, new):
+    """Source coordinate of each new grid position (pixel centres aligned, as F.interpolate's align_corners=False)."""
+    return (torch.arange(new).float() + 0.5) * old / new - 0.5
+
+
+def test_same_grid_loads_every_tensor_unchanged_and_head_gives_zero_logits(tmp_path):
+    source = tiny_vit()
+    folder = export_folder(source, tmp_path / "export")
+    model = tiny_vit(num_classes=10, seed=1)
+
+    report = load_encoder(model, folder)
+
+    assert report.resized == [] and report.mapped == [] and report.dropped == []
+    assert report.initialised == ["head.weight", "head.bias"]
+    assert report.loaded == list(source.state_dict())
+    assert report.manifest["step"] == 7 and report.source == str(folder / "model.safetensors")
+    for key, tensor in source.state_dict().items():
+        assert torch.equal(model.state_dict()[key], tensor), key
+    with torch.no_grad():
+        logits = model(torch.randn(3, 3, 28, 28))
+    assert torch.equal(logits, torch.zeros(3, 10))
+
+
+def test_mae_checkpoint_resized_mapped_and_dropped_into_avg_pooled_model(tmp_path):
+    source = tiny_vit()
+    path = tmp_path / "mae.safetensors"
+    state = mae_checkpoint(source, path)
+    model = tiny_vit(img_size=32, global_pool="avg", num_classes=10, seed=1)
+
+    report = load_encoder(model, path)
+
+    assert report.resized == [("pos_embed", (7, 7), (8, 8))]
+    assert report.mapped == [("norm.bias", "fc_norm.bias"), ("norm.weight", "fc_norm.weight")]
+    decoder_keys = [k for k in state if k.startswith("decoder_")]
+    assert sorted(report.dropped) == sorted([*decoder_keys, "mask_token", "head.weight", "head.bias"])
+    assert report.initialised == ["head.weight", "head.bias"]
+    mapped = dict((dst, src) for src, dst in report.mapped)
+    for key in report.loaded:
+        assert torch.equal(model.state_dict()[key], state[mapped.get(key, key)]), key
+    assert model.pos_embed.shape == (1, 65, 64)
+    assert torch.equal(model.pos_embed[:, :1], state["pos_embed"][:, :1])  # cls position kept as is
+    text = report.format()
+    assert "pos_embed 7x7 -> 8x8" in text and "norm.weight -> fc_norm.weight" in text
+    assert f"decoder_* ({len(decoder_keys)} tensors)" in text and "blocks.* (24 tensors)" in text
+    assert json.loads(json.dumps(report.as_dict()))["resized"] == [["pos_embed", [7, 7], [8, 8]]]
+
+
+def test_fc_norm_checkpoint_maps_to_norm_for_token_pooling(tmp_path):
+    source = tiny_vit(global_pool="avg")
+    folder = export_folder(source, tmp_path / "export")
+    model = tiny_vit(global_pool="token", num_classes=10, seed=1)
+
+    report = load_encoder(model, folder)
+
+    assert report.mapped == [("fc_norm.bias", "norm.bias"), ("fc_norm.weight", "norm.weight")]
+    assert torch.equal(model.norm.weight, source.fc_norm.weight)
+
+
+def test_linear_ramp_upsampled_7x7_to_8x8_stays_linear_away_from_borders(tmp_path):
+    pos_embed = ramp_pos_embed(7, 7)
+    mae_checkpoint(tiny_vit(), tmp_path / "mae.safetensors", pos_embed=pos_embed)
+    model = tiny_vit(img_size=32, num_classes=10)
+
+    load_encoder(model, tmp_path / "mae.safetensors")
+
+    u = resampled_coords(7, 8)
+    expected = 1 + 2 * u[:, None] + 3 * u[None, :]  # (8, 8)
+    grid = model.pos_embed.detach()[0, 1:, 0].reshape(8, 8)
+    # Bicubic taps reach one position back and two forward; rows/cols 2..5 never touch the border.
+    torch.testing.assert_close(grid[2:6, 2:6], expected[2:6, 2:6], atol=1e-4, rtol=0)
+    assert (grid.diff(dim=0) > 0).all() and (grid.diff(dim=1) > 0).all()
+    assert torch.equal(model.pos_embed.detach()[0, 0], torch.full((64,), -5.0))
+
+
+def test_non_square_target_grid_7x7_to_6x10(tmp_path):
+    pos_embed = ramp_pos_embed(7, 7, row_slope=0.0)
+    mae_checkpoint(tiny_vit(), tmp_path / "mae.safetensors", pos_embed=pos_embed)
+    model = tiny_vit(img_size=(24, 40), num_classes=10)
+
+    report = load_encoder(model, tmp_path / "mae.safetensors")
+
+    assert report.resized == [("pos_embed", (7, 7), (6, 10))]
+    grid = model.pos_embed.detach()[0, 1:, 0].reshape(6, 10)
+    expected = 1 + 3 * resampled_coords(7, 10)  # (10,), constant down the rows
+    torch.testing.assert_close(grid[:, 2:8], expected[2:8].expand(6, 6), atol=1e-4, rtol=0)
+
+
+def test_non_square_source_grid_read_from_config(tmp_path):
+    source = tiny_vit(img_size=(24, 40))
+    folder = export_folder(source, tmp_path / "export")
+    model = tiny_vit(img_size=28, num_classes=10)
+
+    report = load_encoder(model, folder)
+
+    assert report.resized == [("pos_embed", (6, 10), (7, 7))]
+    assert model.pos_embed.shape == (1, 50, 64)
+
+
+def test_head_init_keep_leaves_timm_init(tmp_path):
+    folder = export_folder(tiny_vit(), tmp_path / "export")
+    model = tiny_vit(num_classes=10, seed=1)
+    head_before = model.head.weight.detach().clone()
+
+    load_encoder(model, folder, head_init="keep")
+
+    assert torch.equal(model.head.weight, head_before) and head_before.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("source_kwargs", "model_kwargs", "expected"),
+    [
+        (
+            {"embed_dim": 64},
+            {"embed_dim": 96},
+            [
+                "blocks.0.attn.qkv.weight: checkpoint (192, 64) vs model (288, 96)",
+                "cls_token: checkpoint (1, 1, 64) vs model (1, 1, 96)",
+            ],
+        ),
+        ({"depth": 2}, {"depth": 3}, ["missing encoder key blocks.2.attn.qkv.weight: model (192, 64)"]),
+        ({"depth": 3}, {"depth": 2}, ["unexpected encoder key blocks.2.mlp.fc1.weight: checkpoint (256, 64)"]),
+        (
+            {"patch_size": 4},
+            {"patch_size": 7},
+            ["patch_embed.proj.weight: checkpoint (64, 3, 4, 4) vs model (64, 3, 7, 7)"],
+        ),
+    ],
+)
+def test_wrong_architecture_names_file_and_every_mismatched_key(tmp_path, source_kwargs, model_kwargs, expected):
+    folder = export_folder(tiny_vit(**source_kwargs), tmp_path / "export")
+    model = tiny_vit(num_classes=10, **model_kwargs)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    with pytest.raises(ValueError) as error:
+        load_encoder(model, folder)
+
+    message = str(error.value)
+    assert str(folder / "model.safetensors") in message
+    for line in expected:
+        assert line in message
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # nothing half-loaded
+
+
+def test_bare_file_with_non_square_grid_and_no_config_is_an_error(tmp_path):
+    mae_checkpoint(tiny_vit(), tmp_path / "mae.safetensors", pos_embed=torch.zeros(1, 61, 64))
+
+    with pytest.raises(ValueError, match=r"pos_embed: checkpoint \(1, 61, 64\) vs model \(1, 50, 64\)"):
+        load_encoder(tiny_vit(num_classes=10), tmp_path / "mae.safetensors")
+
+
+@pytest.mark.parametrize("name", ["missing", "weights.pth"])
+def test_paths_that_are_not_safetensors_are_refused(tmp_path, name):
+    (tmp_path / "weights.pth").write_bytes(b"not loaded")
+    with pytest.raises(ValueError, match="neither an export folder nor a .safetensors file"):
+        load_encoder(tiny_vit(num_classes=10), tmp_path / name)

@@ -1,0 +1,203 @@
+"""Tests for pretrain/mae.py on a tiny ViT (embed 64, depth 2, 28 px images, 4 px patches -> 7 x 7 grid)."""
+
+import pytest
+import torch
+
+from core.models import build_vit, sincos_pos_embed_2d
+from pretrain.mae import MAE, normalize_patches, patchify, reconstruction_grid, unpatchify
+
+ENCODER = dict(embed_dim=64, depth=2, num_heads=4)
+DECODER = dict(decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=4)
+MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+
+
+def tiny_encoder(img_size=28, **kwargs):
+    return build_vit("tiny", img_size=img_size, patch_size=4, **ENCODER, **kwargs)
+
+
+def tiny_mae(img_size=28, norm_pix_loss=True, **kwargs):
+    torch.manual_seed(0)
+    return MAE(tiny_encoder(img_size), norm_pix_loss=norm_pix_loss, **DECODER, **kwargs)
+
+
+def test_random_masking_keeps_exactly_the_budget_and_unshuffles():
+    mae = tiny_mae()
+    tokens = torch.randn(8, 49, 64)
+    x_visible, mask, ids_restore = mae.random_masking(tokens, 0.75)
+    num_keep = int(49 * 0.25)
+    assert x_visible.shape == (8, num_keep, 64)
+    assert mask.shape == (8, 49)
+    assert mask.sum(dim=1).tolist() == [49 - num_keep] * 8
+    # The shuffled sequence is [kept, dropped]; ids_restore puts it back in image order.
+    ids_shuffle = torch.argsort(ids_restore, dim=1)
+    shuffled = torch.gather(tokens, 1, ids_shuffle.unsqueeze(-1).expand(-1, -1, 64))
+    assert torch.equal(shuffled[:, :num_keep], x_visible)
+    assert torch.equal(torch.gather(shuffled, 1, ids_restore.unsqueeze(-1).expand(-1, -1, 64)), tokens)
+    assert torch.equal(torch.gather(mask, 1, ids_shuffle[:, :num_keep]), torch.zeros(8, num_keep))
+    assert len({tuple(row.tolist()) for row in mask}) == 8  # every sample has its own mask
+
+
+def test_patchify_layout_and_round_trip_non_square():
+    imgs = torch.randn(2, 3, 28, 32)
+    patches = patchify(imgs, (4, 4))
+    assert patches.shape == (2, 7 * 8, 48)
+    row, col = 5, 6
+    expected = imgs[1, :, row * 4 : row * 4 + 4, col * 4 : col * 4 + 4].permute(1, 2, 0).flatten()  # (ph, pw, C)
+    assert torch.equal(patches[1, row * 8 + col], expected)
+    assert torch.equal(unpatchify(patches, (4, 4), (7, 8)), imgs)
+    mae = tiny_mae(img_size=(28, 32))
+    assert torch.equal(mae.unpatchify(mae.patchify(imgs)), imgs)
+    assert mae({"image": imgs})["pred"].shape == (2, 56, 48)
+
+
+def test_norm_pix_target_by_hand():
+    patch = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])  # (B=1, L=1, P=4)
+    normalized, mean, std = normalize_patches(patch)
+    var = (1.5**2 + 0.5**2 + 0.5**2 + 1.5**2) / 3  # unbiased, as MAE
+    expected = (patch - 2.5) / (var + 1e-6) ** 0.5
+    torch.testing.assert_close(normalized, expected)
+    assert mean.item() == 2.5
+    assert std.item() == pytest.approx((var + 1e-6) ** 0.5)
+
+
+def test_loss_with_zero_prediction_is_the_normalised_target_power():
+    mae = tiny_mae()
+    imgs = torch.randn(2, 3, 28, 28)
+    mask = torch.zeros(2, 49)
+    mask[:, :10] = 1
+    # Predicting 0 against a standardised patch costs mean(t^2) = (P - 1) / P * var / (var + eps) per patch.
+    loss = mae.forward_loss(imgs, torch.zeros(2, 49, 48), mask)
+    var = patchify(imgs, (4, 4)).var(dim=-1)[:, :10]
+    expected = (47 / 48 * var / (var + 1e-6)).mean()
+    torch.testing.assert_close(loss, expected)
+    mae.norm_pix_loss = False
+    raw = mae.forward_loss(imgs, torch.zeros(2, 49, 48), mask)
+    torch.testing.assert_close(raw, patchify(imgs, (4, 4))[:, :10].pow(2).mean())
+
+
+def test_loss_counts_masked_patches_only():
+    mae = tiny_mae()
+    imgs = torch.randn(2, 3, 28, 28)
+    out = mae({"image": imgs})
+    visible = out["mask"] == 0
+    changed_visible = out["pred"].detach().clone()
+    changed_visible[visible] += 5.0
+    assert mae.forward_loss(imgs, changed_visible, out["mask"]) == out["loss"]
+    changed_masked = out["pred"].detach().clone()
+    changed_masked[~visible] += 5.0
+    assert mae.forward_loss(imgs, changed_masked, out["mask"]) > out["loss"] + 1.0
+
+
+def test_backward_reaches_every_trainable_parameter():
+    mae = tiny_mae()
+    out = mae({"image": torch.randn(2, 3, 28, 28)})
+    assert out["loss"].dtype == torch.float32 and out["loss"].ndim == 0
+    out["loss"].backward()
+    assert not mae.encoder.pos_embed.requires_grad and mae.encoder.pos_embed.grad is None
+    trainable = [(name, p) for name, p in mae.named_parameters() if p.requires_grad]
+    assert len(trainable) == len(list(mae.parameters())) - 1
+    for name, param in trainable:
+        assert param.grad is not None, name
+        assert torch.isfinite(param.grad).all() and param.grad.abs().sum() > 0, name
+
+
+def test_bf16_autocast_gives_finite_float32_loss():
+    mae = tiny_mae()
+    imgs = torch.randn(2, 3, 28, 28)
+    torch.manual_seed(1)
+    reference = mae({"image": imgs})["loss"]
+    torch.manual_seed(1)  # the same masks
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mae({"image": imgs})
+    assert out["loss"].dtype == torch.float32 and torch.isfinite(out["loss"])
+    assert out["pred"].dtype == torch.bfloat16
+    torch.testing.assert_close(out["loss"], reference, rtol=0.05, atol=0)
+    out["loss"].backward()
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    imgs = torch.randn(2, 3, 28, 28)
+    grads = []
+    for checkpointing in (False, True):
+        mae = tiny_mae()
+        mae.encoder.set_grad_checkpointing(checkpointing)
+        torch.manual_seed(1)
+        mae({"image": imgs})["loss"].backward()
+        grads.append(mae.encoder.blocks[0].attn.qkv.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_init_and_no_weight_decay():
+    encoder = tiny_encoder()
+    encoder.blocks[0].attn.fused_attn = False
+    mae = MAE(encoder, **DECODER)
+    torch.testing.assert_close(mae.encoder.pos_embed.data, sincos_pos_embed_2d(64, (7, 7)))
+    torch.testing.assert_close(mae.decoder_pos_embed, sincos_pos_embed_2d(32, (7, 7)))
+    assert "decoder_pos_embed" not in mae.state_dict()
+    linears = [m for m in mae.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(torch.count_nonzero(m.bias) == 0 for m in linears)
+    assert all(m.fused_attn for m in mae.modules() if hasattr(m, "fused_attn"))
+    assert mae.no_weight_decay() == {"encoder.pos_embed", "encoder.cls_token", "mask_token"}
+
+
+def test_encoder_still_loads_into_a_fresh_timm_model_and_matches_it():
+    mae = tiny_mae()
+    fresh = tiny_encoder()
+    fresh.load_state_dict(mae.encoder.state_dict(), strict=True)
+    imgs = torch.randn(2, 3, 28, 28)
+    # With nothing masked the encoder sees every patch, shuffled; un-shuffled it must equal timm's own forward.
+    latent, mask, ids_restore = mae.forward_encoder(imgs, 0.0)
+    assert mask.sum() == 0
+    patches = torch.gather(latent[:, 1:], 1, ids_restore.unsqueeze(-1).expand(-1, -1, 64))
+    expected = fresh.eval().forward_features(imgs)
+    torch.testing.assert_close(latent[:, 0], expected[:, 0])
+    torch.testing.assert_close(patches, expected[:, 1:])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(global_pool="avg"), "global_pool"),
+        (dict(num_classes=10), "num_classes"),
+        (dict(reg_tokens=1), "reg_tokens"),
+    ],
+)
+def test_unsupported_encoder_is_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MAE(tiny_encoder(**kwargs), **DECODER)
+
+
+def test_mask_ratio_that_keeps_nothing_is_rejected():
+    with pytest.raises(ValueError, match="mask_ratio 0.99"):
+        MAE(tiny_encoder(), mask_ratio=0.99, **DECODER)
+
+
+def _panel(grid, row, col, size=28, pad=2):
+    top, left = row * (size + pad) + pad, col * (size + pad) + pad
+    return grid[:, top : top + size, left : left + size]
+
+
+@pytest.mark.parametrize("norm_pix_loss", [False, True])
+def test_reconstruction_grid(norm_pix_loss):
+    mae = tiny_mae(norm_pix_loss=norm_pix_loss)
+    mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
+    imgs = (torch.rand(3, 3, 28, 28) - mean) / std
+    out = mae({"image": imgs})
+    kwargs = dict(patch_size=4, mean=MEAN, std=STD, norm_pix_loss=norm_pix_loss)
+    grid = reconstruction_grid(imgs, out["pred"], out["mask"], max_images=2, **kwargs)
+    assert grid.shape == (3, 2 * 30 + 2, 4 * 30 + 2)
+    assert grid.min() >= 0 and grid.max() <= 1
+    pixel_mask = mae.unpatchify(out["mask"].unsqueeze(-1).expand(-1, -1, 48)).bool()
+    for row in range(2):
+        original, masked, recon, pasted = (_panel(grid, row, col) for col in range(4))
+        visible = ~pixel_mask[row]
+        torch.testing.assert_close(original, (imgs[row] * std[0] + mean[0]).clamp(0, 1))
+        torch.testing.assert_close(pasted[visible], original[visible])
+        torch.testing.assert_close(pasted[~visible], recon[~visible])
+        torch.testing.assert_close(masked[~visible], torch.full_like(masked[~visible], 0.5))
+    # A perfect prediction (in the loss's target units) reconstructs the original everywhere.
+    target = mae.patchify(imgs)
+    perfect = normalize_patches(target)[0] if norm_pix_loss else target
+    grid = reconstruction_grid(imgs, perfect, out["mask"], **kwargs)
+    for row in range(3):
+        torch.testing.assert_close(_panel(grid, row, 2), _panel(grid, row, 0), atol=1e-5, rtol=0)
