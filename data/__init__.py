@@ -1,1 +1,1 @@
-"""data"""
+"""Data: shard writing (`write`, `sources`, `python -m data`), streaming loaders (`pipeline`) and `transforms`."""

@@ -25,7 +25,7 @@ from core.engine.stage import (
     train_stream,
 )
 from core.logging import MetricsLogger
-from data.pipeline import dataset_index, make_eval_loader, resolve_shards
+from data.pipeline import dataset_classes, dataset_size, make_eval_loader, resolve_shards
 from data.transforms import eval_transform, finetune_train_transform
 from finetune.classification import Classification
 from finetune.evaluate import evaluate
@@ -39,12 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.recipe, args.overrides)
     dist = init_distributed(cfg.engine.device)
     run_dir, config_yaml = prepare_run_dir(cfg, dist)
-    index = dataset_index(cfg.data.train) or {}
-    classes = index.get("classes") or []
+    classes = dataset_classes(cfg.data.train)
     num_classes = cfg.model.num_classes or len(classes)
     if not num_classes:
         raise ValueError(f"model.num_classes is not set and {cfg.data.train} has no index.json listing classes")
-    samples = cfg.data.samples_per_epoch or index.get("num_samples")
+    samples = cfg.data.samples_per_epoch or dataset_size(cfg.data.train)
     total_steps, warmup_steps = cfg.steps(samples)
     resume = find_resume(run_dir, dist.rank)
     state = TrainState.from_resume(resume)

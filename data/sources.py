@@ -1,0 +1,208 @@
+"""Labelled image sources that `data.write` turns into shards.
+
+Every source yields `Sample` tuples `(key, image, label, meta)`: `key` is unique within the split
+(e.g. `train_00000042`), `image` is a PIL image or the original JPEG/PNG bytes, `label` indexes the
+source's class list and `meta` is stored as the sample's `.json`.
+"""
+
+import gzip
+import os
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+
+# IDX magic numbers: two zero bytes, the element type (0x08 = unsigned byte), the number of dimensions.
+_IDX_LABELS_MAGIC = 0x00000801
+_IDX_IMAGES_MAGIC = 0x00000803
+_SYNTHETIC_SHAPES = ("disc", "square", "triangle", "cross", "ring", "bars")
+
+
+class Sample(NamedTuple):
+    """One labelled image, ready to be written to a shard."""
+
+    key: str
+    image: Image.Image | bytes
+    label: int
+    meta: dict[str, Any]
+
+
+class Source(NamedTuple):
+    """A stream of samples with the class names its labels index."""
+
+    classes: list[str]
+    samples: Iterator[Sample]
+
+
+def read_idx(path: str, magic: int) -> np.ndarray:
+    """Reads a gzip-compressed IDX file of unsigned bytes (the MNIST format).
+
+    Args:
+        path: The `.gz` file.
+        magic: The expected magic number (`0x801` for labels, `0x803` for images).
+
+    Returns:
+        A uint8 array shaped by the dimensions in the header, e.g. (N, 28, 28) for images.
+
+    Raises:
+        ValueError: If the file is missing, has another magic number or is truncated.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"IDX file {path} not found; install it with `apt-get install -y dataset-fashion-mnist`")
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    found = int.from_bytes(raw[:4], "big")
+    if found != magic:
+        raise ValueError(f"{path}: IDX magic number {found:#010x}, expected {magic:#010x}")
+    num_dims = magic & 0xFF
+    shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=num_dims, offset=4))
+    offset = 4 + 4 * num_dims
+    if len(raw) - offset != int(np.prod(shape)):
+        raise ValueError(f"{path}: {len(raw) - offset} data bytes, header shape {shape} needs {int(np.prod(shape))}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=offset).reshape(shape)
+
+
+def fashion_mnist(path: str | None, split: str) -> Source:
+    """Fashion-MNIST from its four IDX files (Debian's `dataset-fashion-mnist` layout).
+
+    Args:
+        path: Directory holding `{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz`; None for the default.
+        split: `train` (60,000 images) or `test` (10,000 images, the `t10k-*` files).
+
+    Returns:
+        The ten classes and 28x28 grayscale PIL images keyed `{split}_{index:08d}`.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"fashion-mnist split must be 'train' or 'test', got {split!r}")
+    root = path or FASHION_MNIST_DIR
+    stem = "train" if split == "train" else "t10k"
+    images = read_idx(os.path.join(root, f"{stem}-images-idx3-ubyte.gz"), _IDX_IMAGES_MAGIC)  # (N, 28, 28)
+    labels = read_idx(os.path.join(root, f"{stem}-labels-idx1-ubyte.gz"), _IDX_LABELS_MAGIC)  # (N,)
+    if len(images) != len(labels):
+        raise ValueError(f"fashion-mnist {split} in {root}: {len(images)} images but {len(labels)} labels")
+
+    def samples() -> Iterator[Sample]:
+        for i, (pixels, label) in enumerate(zip(images, labels, strict=True)):
+            meta = {"label": int(label), "source_index": i}
+            yield Sample(f"{split}_{i:08d}", Image.fromarray(pixels), int(label), meta)
+
+    return Source(list(FASHION_MNIST_CLASSES), samples())
+
+
+def image_folder(path: str, split: str) -> Source:
+    """A class-per-subfolder tree (`path/<class>/<image>`), classes and files in sorted order (hidden folders skipped).
+
+    JPEG and PNG files are passed on as their original bytes; BMP and WebP are decoded (and stored as PNG).
+
+    Args:
+        path: The root folder; each subfolder is one class.
+        split: Name used in the sample keys.
+
+    Returns:
+        The sorted class names and the samples, keyed `{split}_{index:08d}`.
+    """
+    if not os.path.isdir(path):
+        raise ValueError(f"imagefolder path {path} is not a directory")
+    classes = sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise ValueError(f"imagefolder path {path} has no class subfolders")
+    files = [
+        (os.path.join(path, name, file), label)
+        for label, name in enumerate(classes)
+        for file in sorted(os.listdir(os.path.join(path, name)))
+        if file.lower().endswith(IMAGE_EXTENSIONS)
+    ]
+
+    def samples() -> Iterator[Sample]:
+        for i, (file, label) in enumerate(files):
+            meta = {"label": label, "source_index": i, "path": os.path.relpath(file, path)}
+            if file.lower().endswith((".jpg", ".jpeg", ".png")):
+                with open(file, "rb") as f:
+                    image = f.read()
+            else:
+                with Image.open(file) as img:
+                    img.load()
+                    image = img
+            yield Sample(f"{split}_{i:08d}", image, label, meta)
+
+    return Source(classes, samples())
+
+
+def synthetic(num_samples: int, image_size: int, num_classes: int, seed: int, split: str) -> Source:
+    """Procedural RGB images a tiny model can learn: each class is its own shape in its own colour.
+
+    Position, size, colour jitter, background and pixel noise vary per sample. Sample `i` depends only on
+    `(seed, i)`, so a prefix of a larger synthetic set equals the smaller set.
+
+    Args:
+        num_samples: How many images; labels cycle through the classes (`label = i % num_classes`).
+        image_size: Height and width in pixels.
+        num_classes: Number of classes.
+        seed: Seed of the generator.
+        split: Name used in the sample keys.
+
+    Returns:
+        Class names like `disc_0` and the samples, keyed `{split}_{index:08d}`.
+    """
+    if num_samples < 1 or image_size < 4 or num_classes < 2:
+        raise ValueError(
+            f"synthetic needs num_samples >= 1, image_size >= 4, num_classes >= 2; "
+            f"got {num_samples}, {image_size}, {num_classes}"
+        )
+    classes = [f"{_SYNTHETIC_SHAPES[k % len(_SYNTHETIC_SHAPES)]}_{k}" for k in range(num_classes)]
+
+    def samples() -> Iterator[Sample]:
+        for i in range(num_samples):
+            label = i % num_classes
+            rng = np.random.default_rng([seed, i])
+            image = _draw_synthetic(rng, label, num_classes, image_size)
+            yield Sample(f"{split}_{i:08d}", image, label, {"label": label, "source_index": i})
+
+    return Source(classes, samples())
+
+
+def _draw_synthetic(rng: np.random.Generator, label: int, num_classes: int, size: int) -> Image.Image:
+    """Draws class `label`'s shape at a random place and scale over a noisy dark background."""
+    background = rng.integers(0, 60, size=3)
+    image = Image.new("RGB", (size, size), tuple(int(c) for c in background))
+    hue = 360 * label // num_classes + int(rng.integers(-8, 9))
+    colour = Image.new("HSV", (1, 1), (hue % 360 * 255 // 360, 220, 255)).convert("RGB").getpixel((0, 0))
+    extent = rng.uniform(0.45, 0.85) * size
+    x0, y0 = rng.uniform(0, size - extent, size=2)
+    box = (x0, y0, x0 + extent, y0 + extent)
+    draw = ImageDraw.Draw(image)
+    shape = _SYNTHETIC_SHAPES[label % len(_SYNTHETIC_SHAPES)]
+    width = max(1, round(extent / 5))
+    if shape == "disc":
+        draw.ellipse(box, fill=colour)
+    elif shape == "square":
+        draw.rectangle(box, fill=colour)
+    elif shape == "triangle":
+        draw.polygon([(x0, y0 + extent), (x0 + extent, y0 + extent), (x0 + extent / 2, y0)], fill=colour)
+    elif shape == "cross":
+        draw.line((x0, y0, x0 + extent, y0 + extent), fill=colour, width=width)
+        draw.line((x0, y0 + extent, x0 + extent, y0), fill=colour, width=width)
+    elif shape == "ring":
+        draw.ellipse(box, outline=colour, width=width)
+    else:
+        for k in range(3):
+            top = y0 + k * extent * 0.4
+            draw.rectangle((x0, top, x0 + extent, top + extent * 0.2), fill=colour)
+    pixels = np.asarray(image, dtype=np.int16) + rng.integers(-12, 13, size=(size, size, 3))  # (H, W, 3)
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))

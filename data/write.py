@@ -1,0 +1,140 @@
+"""Writes labelled images as WebDataset tar shards plus an `index.json` that lists them.
+
+Layout of an output directory:
+    {split}-000000.tar, {split}-000001.tar, ...   each holding, per sample `key`:
+        key.png or key.jpg   the image (PNG is lossless; JPEG inputs are stored unchanged)
+        key.cls              the class index as ASCII digits
+        key.json             metadata, e.g. {"label": 3, "source_index": 42}
+    index.json                {"shards": [{"name", "num_samples"}], "num_samples", "classes", "image_size",
+                               "source", "split"}; written last and atomically, so its presence means
+                               every shard it names is complete.
+"""
+
+import io
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import webdataset as wds
+from PIL import Image
+
+from data.sources import Sample
+
+INDEX_FILE = "index.json"
+
+_JPEG_MAGIC = b"\xff\xd8\xff"
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def encode_image(key: str, image: Image.Image | bytes) -> tuple[str, bytes, tuple[int, int]]:
+    """Encodes one image for a shard.
+
+    Args:
+        key: The sample key, named in errors.
+        image: A PIL image (encoded as PNG) or JPEG/PNG bytes (stored unchanged).
+
+    Returns:
+        The file extension (`png` or `jpg`), the encoded bytes and the image's (height, width).
+
+    Raises:
+        ValueError: If `image` is bytes in another format.
+    """
+    if isinstance(image, Image.Image):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return "png", buffer.getvalue(), (image.height, image.width)
+    if image.startswith(_JPEG_MAGIC):
+        ext = "jpg"
+    elif image.startswith(_PNG_MAGIC):
+        ext = "png"
+    else:
+        raise ValueError(f"sample {key}: image bytes are neither JPEG nor PNG; pass a PIL image instead")
+    with Image.open(io.BytesIO(image)) as img:  # reads the header only
+        width, height = img.size
+    return ext, image, (height, width)
+
+
+def write_shards(
+    samples: Iterable[Sample | tuple[str, Image.Image | bytes, int, dict[str, Any]]],
+    out_dir: str,
+    *,
+    shard_size: int,
+    split: str,
+    classes: list[str],
+    source: str,
+) -> dict[str, Any]:
+    """Writes samples into `out_dir/{split}-{000000}.tar` shards of `shard_size` samples, then `index.json`.
+
+    Args:
+        samples: `(key, image, label, meta)` tuples; keys must be unique and free of dots and slashes.
+        out_dir: Output directory, created if needed. It must not already hold an index or `{split}-*.tar`.
+        shard_size: Samples per shard (the last shard may hold fewer).
+        split: Split name, used as the shard file prefix.
+        classes: Class names; labels index this list.
+        source: Where the samples came from, recorded in the index.
+
+    Returns:
+        The index written to `out_dir/index.json`. Its `image_size` is [H, W], or None when sizes differ.
+    """
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    os.makedirs(out_dir, exist_ok=True)
+    clashes = [n for n in os.listdir(out_dir) if n == INDEX_FILE or (n.startswith(f"{split}-") and n.endswith(".tar"))]
+    if clashes:
+        raise ValueError(f"output directory {out_dir} already holds {sorted(clashes)[0]}; choose an empty directory")
+    shards: list[dict[str, Any]] = []
+    sizes: set[tuple[int, int]] = set()
+    writer = None
+    for key, image, label, meta in samples:
+        if not 0 <= label < len(classes):
+            raise ValueError(f"sample {key}: label {label} outside [0, {len(classes)})")
+        if "." in key or "/" in key:
+            raise ValueError(f"sample key {key!r} must not contain '.' or '/' (WebDataset splits names there)")
+        if writer is None or shards[-1]["num_samples"] == shard_size:
+            if writer is not None:
+                _close_shard(writer, out_dir, shards[-1]["name"])
+            shards.append({"name": f"{split}-{len(shards):06d}.tar", "num_samples": 0})
+            # An integer mtime avoids a PAX header per member (a float one adds 1 KiB each) and makes shards
+            # byte-for-byte reproducible.
+            writer = wds.TarWriter(os.path.join(out_dir, shards[-1]["name"] + ".tmp"), mtime=0)
+        ext, data, size = encode_image(key, image)
+        sizes.add(size)
+        writer.write({"__key__": key, ext: data, "cls": label, "json": meta})
+        shards[-1]["num_samples"] += 1
+    if writer is None:
+        raise ValueError(f"no samples to write to {out_dir}")
+    _close_shard(writer, out_dir, shards[-1]["name"])
+    index = {
+        "shards": shards,
+        "num_samples": sum(s["num_samples"] for s in shards),
+        "classes": list(classes),
+        "image_size": list(sizes.pop()) if len(sizes) == 1 else None,
+        "source": source,
+        "split": split,
+    }
+    tmp_path = os.path.join(out_dir, INDEX_FILE + ".tmp")
+    with open(tmp_path, "w") as f:
+        json.dump(index, f, indent=1)
+    os.replace(tmp_path, os.path.join(out_dir, INDEX_FILE))
+    return index
+
+
+def read_index(directory: str) -> dict[str, Any]:
+    """Loads `directory/index.json`.
+
+    Raises:
+        ValueError: If the directory has no index.
+    """
+    path = os.path.join(directory, INDEX_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"shard directory {directory} has no {INDEX_FILE}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _close_shard(writer: wds.TarWriter, out_dir: str, name: str) -> None:
+    """Finishes a shard written under a `.tmp` name and moves it to its final name."""
+    writer.close()
+    path = os.path.join(out_dir, name)
+    os.replace(path + ".tmp", path)

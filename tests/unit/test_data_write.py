@@ -1,0 +1,152 @@
+"""Shard writing: sources, tar layout, index.json, the `python -m data` command line."""
+
+import gzip
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from data import sources
+from data.__main__ import inspect_shards, main
+from data.write import write_shards
+
+FM_DIR = sources.FASHION_MNIST_DIR
+needs_fashion_mnist = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(FM_DIR, "t10k-images-idx3-ubyte.gz")),
+    reason="needs `apt-get install -y dataset-fashion-mnist`",
+)
+
+
+def _read_tar(path: str) -> list[dict]:
+    return list(wds.tarfile_samples([{"url": path}]))
+
+
+def test_round_trip_keys_labels_pixels_and_index(tmp_path):
+    source = sources.synthetic(num_samples=50, image_size=12, num_classes=4, seed=3, split="train")
+    expected = list(sources.synthetic(num_samples=50, image_size=12, num_classes=4, seed=3, split="train").samples)
+    index = write_shards(
+        source.samples, str(tmp_path), shard_size=16, split="train", classes=source.classes, source="synthetic"
+    )
+
+    with open(tmp_path / "index.json") as f:
+        assert json.load(f) == index
+    assert [s["name"] for s in index["shards"]] == [f"train-{i:06d}.tar" for i in range(4)]
+    assert [s["num_samples"] for s in index["shards"]] == [16, 16, 16, 2]
+    assert index["num_samples"] == 50 and index["image_size"] == [12, 12] and index["classes"] == source.classes
+    assert sorted(os.listdir(tmp_path)) == ["index.json"] + [s["name"] for s in index["shards"]]  # no .tmp left
+
+    stored = [sample for s in index["shards"] for sample in _read_tar(str(tmp_path / s["name"]))]
+    assert [s["__key__"] for s in stored] == [e.key for e in expected] == [f"train_{i:08d}" for i in range(50)]
+    for sample, ref in zip(stored, expected, strict=True):
+        assert int(sample["cls"]) == ref.label == json.loads(sample["json"])["label"]
+        assert json.loads(sample["json"])["source_index"] == int(ref.key.split("_")[1])
+        pixels = np.asarray(Image.open(io.BytesIO(sample["png"])))
+        np.testing.assert_array_equal(pixels, np.asarray(ref.image))  # PNG is lossless
+
+
+def test_jpeg_bytes_are_stored_unchanged_and_mixed_sizes_give_no_image_size(tmp_path):
+    buffer = io.BytesIO()
+    Image.new("RGB", (10, 6), (200, 30, 30)).save(buffer, format="JPEG")
+    jpeg = buffer.getvalue()
+    samples = [("a_0", jpeg, 0, {}), ("a_1", Image.new("L", (8, 8), 7), 1, {})]
+    index = write_shards(samples, str(tmp_path), shard_size=10, split="a", classes=["x", "y"], source="t")
+    stored = _read_tar(str(tmp_path / "a-000000.tar"))
+    assert stored[0]["jpg"] == jpeg and "png" in stored[1]
+    assert index["image_size"] is None
+
+
+def test_write_rejects_bad_samples_and_existing_output(tmp_path):
+    def write(sample: tuple, out: str) -> dict:
+        return write_shards([sample], str(tmp_path / out), shard_size=2, split="k", classes=["x"], source="t")
+
+    image = Image.new("RGB", (4, 4))
+    with pytest.raises(ValueError, match="label 5"):
+        write(("k_0", image, 5, {}), "a")
+    with pytest.raises(ValueError, match="k.0"):
+        write(("k.0", image, 0, {}), "b")
+    with pytest.raises(ValueError, match="neither JPEG nor PNG"):
+        write(("k_0", b"GIF89a", 0, {}), "c")
+    write(("k_0", image, 0, {}), "d")
+    with pytest.raises(ValueError, match="index.json"):
+        write(("k_0", image, 0, {}), "d")
+
+
+def test_synthetic_is_deterministic_and_classes_differ_in_colour():
+    first = list(sources.synthetic(40, 16, 4, seed=1, split="s").samples)
+    again = list(sources.synthetic(60, 16, 4, seed=1, split="s").samples)[:40]  # a prefix of a larger set
+    other = list(sources.synthetic(40, 16, 4, seed=2, split="s").samples)
+    assert all(np.array_equal(np.asarray(a.image), np.asarray(b.image)) for a, b in zip(first, again, strict=True))
+    assert not np.array_equal(np.asarray(first[0].image), np.asarray(other[0].image))
+    assert [s.label for s in first] == [i % 4 for i in range(40)]
+    # The brightest pixels of each image carry the class colour: their mean hue differs between classes.
+    hues = [[] for _ in range(4)]
+    for s in first:
+        hsv = np.asarray(s.image.convert("HSV"), dtype=np.float64).reshape(-1, 3)
+        hues[s.label].append(np.median(hsv[hsv[:, 2] > 200, 0]))
+    class_hues = sorted(np.median(h) for h in hues)
+    assert min(np.diff(class_hues)) > 30  # of 255
+
+
+@needs_fashion_mnist
+def test_fashion_mnist_cli_writes_real_images(tmp_path, capsys):
+    out = tmp_path / "fm"
+    main(f"write --source fashion-mnist --split test --limit 50 --out {out} --shard-size 20".split())
+    index = json.loads((out / "index.json").read_text())
+    assert index["num_samples"] == 50 and [s["num_samples"] for s in index["shards"]] == [20, 20, 10]
+    assert index["image_size"] == [28, 28] and index["classes"][9] == "Ankle boot" and index["split"] == "test"
+
+    images = sources.read_idx(os.path.join(FM_DIR, "t10k-images-idx3-ubyte.gz"), 0x803)  # (10000, 28, 28)
+    labels = sources.read_idx(os.path.join(FM_DIR, "t10k-labels-idx1-ubyte.gz"), 0x801)  # (10000,)
+    assert images.shape == (10000, 28, 28) and labels.shape == (10000,)
+    stored = _read_tar(str(out / "test-000000.tar"))
+    assert [s["__key__"] for s in stored] == [f"test_{i:08d}" for i in range(20)]
+    for i, sample in enumerate(stored):
+        assert int(sample["cls"]) == labels[i] and 0 <= labels[i] < 10
+        np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(sample["png"]))), images[i])
+
+    capsys.readouterr()
+    main(["inspect", str(out)])
+    text = capsys.readouterr().out
+    assert "shards: 3" in text and "samples: 50 (index.json: 50)" in text and "Ankle boot" in text
+    assert "test_00000000: png 28x28 L" in text
+
+
+def test_fashion_mnist_missing_or_bad_files_name_the_path(tmp_path):
+    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte.gz.*apt-get install -y dataset-fashion-mnist"):
+        sources.fashion_mnist(str(tmp_path), "test")
+    bad = tmp_path / "labels.gz"
+    with gzip.open(bad, "wb") as f:
+        f.write((0x803).to_bytes(4, "big") + (1).to_bytes(4, "big") + b"\x00")
+    with pytest.raises(ValueError, match=r"labels.gz: IDX magic number 0x00000803, expected 0x00000801"):
+        sources.read_idx(str(bad), 0x801)
+    with pytest.raises(ValueError, match="split"):
+        sources.fashion_mnist(None, "val")
+
+
+def test_imagefolder_sorted_classes_formats_and_inspect(tmp_path):
+    root = tmp_path / "tree"
+    colours = {"cat": (250, 0, 0), "ant": (0, 250, 0)}
+    for name, colour in colours.items():
+        (root / name).mkdir(parents=True)
+        Image.new("RGB", (9, 7), colour).save(root / name / "b.bmp")
+        Image.new("RGB", (9, 7), colour).save(root / name / "a.png")
+    (root / "ant" / "notes.txt").write_text("not an image")
+    (root / ".ipynb_checkpoints").mkdir()  # hidden folders are not classes
+    main(["write", "--source", "imagefolder", "--path", str(root), "--out", str(tmp_path / "out"), "--shard-size", "3"])
+
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert index["classes"] == ["ant", "cat"] and index["num_samples"] == 4 and index["image_size"] == [7, 9]
+    stored = [s for shard in index["shards"] for s in _read_tar(str(tmp_path / "out" / shard["name"]))]
+    assert [json.loads(s["json"])["path"] for s in stored] == ["ant/a.png", "ant/b.bmp", "cat/a.png", "cat/b.bmp"]
+    assert [int(s["cls"]) for s in stored] == [0, 0, 1, 1]
+    assert stored[0]["png"] == (root / "ant" / "a.png").read_bytes()  # PNG files are kept as they are
+    decoded = np.asarray(Image.open(io.BytesIO(stored[3]["png"])))  # the BMP, re-encoded losslessly
+    assert decoded.shape == (7, 9, 3) and (decoded == colours["cat"]).all()
+
+    lines = inspect_shards(str(tmp_path / "out" / "train-*.tar"), num_show=2)
+    assert lines[0].startswith("shards: 2") and lines[1] == "samples: 4 (index.json: 4)"
+    assert lines[4:] == ["  train_00000000: png 9x7 RGB  label 0 (ant)", "  train_00000001: png 9x7 RGB  label 0 (ant)"]

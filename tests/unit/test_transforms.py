@@ -1,0 +1,86 @@
+"""Transforms alone: output shape and dtype, normalisation values, crop geometry, flips, seeding."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+from data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, finetune_train_transform, pretrain_transform
+
+ALL_TRANSFORMS = [pretrain_transform, finetune_train_transform, eval_transform]
+
+
+def _halves(size: int = 32) -> Image.Image:
+    """Left half red, right half blue."""
+    pixels = np.zeros((size, size, 3), dtype=np.uint8)  # (H, W, 3)
+    pixels[:, : size // 2, 0] = 255
+    pixels[:, size // 2 :, 2] = 255
+    return Image.fromarray(pixels)
+
+
+def test_imagenet_constants_are_timms():
+    assert IMAGENET_MEAN == IMAGENET_DEFAULT_MEAN and IMAGENET_STD == IMAGENET_DEFAULT_STD
+
+
+@pytest.mark.parametrize("make", ALL_TRANSFORMS)
+@pytest.mark.parametrize(("img_size", "shape"), [(16, (3, 16, 16)), ((12, 20), (3, 12, 20))])
+def test_constant_image_maps_to_normalised_constant(make, img_size, shape):
+    colour = (200, 100, 30)
+    out = make(img_size, IMAGENET_MEAN, IMAGENET_STD)(Image.new("RGB", (37, 29), colour))
+    assert out.shape == shape and out.dtype == torch.float32
+    expected = (torch.tensor(colour) / 255 - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)  # (3,)
+    torch.testing.assert_close(out, expected.view(3, 1, 1).expand(shape), rtol=0, atol=1e-5)
+
+
+def test_eval_transform_resizes_then_centre_crops():
+    pixels = np.zeros((40, 40, 3), dtype=np.uint8)
+    pixels[8:32, 8:32] = 255  # white centre square, 60% of the side, on black
+    image = Image.fromarray(pixels)
+    unit = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))  # mean 0, std 1: outputs are pixel values in [0, 1]
+    centre_only = eval_transform(10, *unit, crop_pct=0.4)(image)  # resize to 25 (square 5..20), keep 7..17
+    assert centre_only.min() > 0.99
+    whole = eval_transform(10, *unit, crop_pct=1.0)(image)  # resize to 10, keep everything
+    assert whole[:, 0, 0].max() < 0.05 and whole[:, 5, 5].min() > 0.95
+    assert eval_transform(8, *unit)(Image.new("RGB", (30, 60))).shape == (3, 8, 8)  # non-square input
+    with pytest.raises(ValueError, match="crop_pct"):
+        eval_transform(8, *unit, crop_pct=1.5)
+
+
+def test_eval_transform_is_deterministic():
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (24, 30, 3), dtype=np.uint8))
+    transform = eval_transform(16, IMAGENET_MEAN, IMAGENET_STD)
+    assert torch.equal(transform(image), transform(image))
+
+
+def test_finetune_flip_probability():
+    image = _halves()
+    unit = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    # scale (1, 1): the crop is the whole square image, so only the flip changes it
+    flipped = finetune_train_transform(32, *unit, scale=(1.0, 1.0), hflip=1.0)(image)
+    kept = finetune_train_transform(32, *unit, scale=(1.0, 1.0), hflip=0.0)(image)
+    assert flipped[2, :, 0].min() > 0.99 and flipped[0, :, 0].max() < 0.01  # blue now on the left
+    assert kept[0, :, 0].min() > 0.99 and kept[2, :, 0].max() < 0.01
+
+
+@pytest.mark.parametrize("make", [pretrain_transform, finetune_train_transform])
+def test_random_transforms_follow_the_torch_seed(make):
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    transform = make(16, IMAGENET_MEAN, IMAGENET_STD)
+    torch.manual_seed(5)
+    first = transform(image)
+    torch.manual_seed(5)
+    assert torch.equal(first, transform(image))
+    assert not all(torch.equal(first, transform(image)) for _ in range(3))  # draws differ without reseeding
+
+
+def test_pretrain_crop_area_follows_scale():
+    ramp = np.tile(np.linspace(0, 255, 64).astype(np.uint8)[None, :, None], (64, 1, 3))  # (H, W, 3) left to right
+    image = Image.fromarray(ramp)
+    unit = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    torch.manual_seed(0)
+    # The ramp's range inside the output is the crop's width as a fraction of the image's width.
+    small = [pretrain_transform(16, *unit, scale=(0.005, 0.01))(image)[0] for _ in range(10)]
+    assert all(x.max() - x.min() < 0.15 for x in small)  # width <= sqrt(0.01 * 4/3) of the image
+    full = pretrain_transform(16, *unit, scale=(1.0, 1.0))(image)[0]
+    assert full.max() - full.min() > 0.9
