@@ -139,7 +139,7 @@ def train(
         if (
             log_images is not None
             and cfg.logging.image_every_steps
-            and (step % cfg.logging.image_every_steps == 0 or step == 1)
+            and (step % cfg.logging.image_every_steps == 0 or step in (first_step, total_steps))
         ):
             log_images(step)
         if evaluate is not None and cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total_steps:

@@ -92,6 +92,11 @@ def parallelize(objective: nn.Module, *, cfg: Config, dist: DistInfo, run_dir: P
     """
     import deepspeed
 
+    if cfg.engine.precision == "fp16" and dist.device.type != "cuda":
+        raise ValueError(
+            "engine.precision fp16 needs a CUDA device (DeepSpeed's CPU accelerator has no fp16); "
+            "use engine.precision=bf16 on CPU"
+        )
     ds_config = deepspeed_config(cfg, dist.world_size)
     if dist.is_main:
         (run_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2))
