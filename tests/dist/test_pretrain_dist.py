@@ -81,3 +81,34 @@ def test_bad_recipe_fails_before_any_process_starts(shards, tmp_path):
     assert not (tmp_path / "run").exists()
     proc = launch(recipe, "data.global_batch_size=33", nproc=2)
     assert proc.returncode == 2 and "data.global_batch_size 33 is not divisible by world size 2" in proc.stdout
+
+
+def test_zero3_with_accumulation_exports_consolidated_weights(shards, tmp_path):
+    """Recipe: tiny MAE with engine.zero_stage=3, grad_accum_steps=2 (8 per device x 2 x 2 ranks = 32)."""
+    recipe = pretrain_recipe(
+        shards,
+        tmp_path / "run",
+        engine={"zero_stage": 3, "grad_accum_steps": 2},
+        schedule={"steps": 3, "warmup_steps": 1},
+        checkpoint={"every_steps": 3},
+    )
+    proc = launch(write_recipe(tmp_path / "tiny_mae_z3.yaml", recipe))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "global batch 32 = 8 per device x 2 accumulation x 2 ranks" in proc.stdout
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3]
+    in_run = load_file(str(tmp_path / "run" / "export" / "model.safetensors"))
+    assert in_run["blocks.0.attn.qkv.weight"].shape == (96, 32)  # gathered, not a ZeRO-3 placeholder
+    out = tmp_path / "offline"
+    cmd = [sys.executable, "-m", "pretrain", "export", str(tmp_path / "run"), "--out", str(out)]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    offline = load_file(str(out / "model.safetensors"))
+    assert set(offline) == set(in_run) and all(torch.equal(offline[k], in_run[k]) for k in in_run)
+
+
+def test_dry_run_prints_config_and_torchrun_command(shards, tmp_path):
+    recipe = write_recipe(tmp_path / "tiny.yaml", pretrain_recipe(shards, tmp_path / "run"))
+    proc = launch(recipe, "optim.base_lr=2e-3", "--dry-run", extra_env={"NNODES": "2", "NODE_RANK": "1"})
+    assert proc.returncode == 0, proc.stdout
+    assert "base_lr: 0.002" in proc.stdout
+    assert "torch.distributed.run --nnodes 2 --node-rank 1 --nproc-per-node 2" in proc.stdout
+    assert "-m pretrain" in proc.stdout and not (tmp_path / "run").exists()
