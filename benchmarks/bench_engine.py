@@ -71,9 +71,12 @@ class Case:
     allocator: str
 
     @property
+    def runner(self) -> str:
+        return "plain torch loop" if self.zero_stage is None else f"engine ZeRO-{self.zero_stage}"
+
+    @property
     def label(self) -> str:
-        runner = "plain torch loop" if self.zero_stage is None else f"engine ZeRO-{self.zero_stage}"
-        return f"{runner} | {self.optimizer} | {self.allocator}"
+        return f"{self.runner}, {self.optimizer} AdamW, {self.allocator}"
 
 
 # ---------------------------------------------------------------- worker: one configuration in its own process
@@ -118,26 +121,46 @@ def build_mae(cfg):
     )
 
 
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores, every process), from /proc/stat."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 class Clock:
-    """Wall time and minor page faults at each mark; `timed` wraps a callable and records its durations."""
+    """Readings at the start of every step; `timed` wraps a callable and adds its durations to the current step."""
 
     def __init__(self):
-        self.marks: list[tuple[float, int]] = []
-        self.calls: dict[str, list[float]] = {}
+        self.marks: list[tuple[float, int, float, float]] = []  # (wall, page faults, own CPU s, machine busy CPU s)
+        self.calls: dict[str, dict[int, float]] = {}
 
     def mark(self) -> None:
-        self.marks.append((time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        own = usage.ru_utime + usage.ru_stime
+        self.marks.append((time.perf_counter(), usage.ru_minflt, own, busy_cpu_seconds()))
 
     def timed(self, name: str, fn):
-        sink = self.calls.setdefault(name, [])
+        per_step = self.calls.setdefault(name, {})
 
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            sink.append(time.perf_counter() - t0)
+            step = len(self.marks) - 1
+            per_step[step] = per_step.get(step, 0.0) + time.perf_counter() - t0
             return out
 
         return wrapper
+
+    def report(self, first: int, last: int) -> dict:
+        """Per-step values for steps first..last-1, and the share of the machine that other processes used."""
+        deltas = [[b[k] - a[k] for k in range(4)] for a, b in itertools.pairwise(self.marks)][first:last]
+        wall, _, own, busy = (self.marks[last][k] - self.marks[first][k] for k in range(4))
+        return {
+            "step": [d[0] for d in deltas],
+            "faults": [d[1] for d in deltas],
+            **{name: [calls.get(i, 0.0) for i in range(first, last)] for name, calls in self.calls.items()},
+            "others_load": max(0.0, busy - own) / (wall * os.cpu_count()),
+        }
 
 
 def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> None:
@@ -155,15 +178,18 @@ def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> None:
         groups, lr=cfg.peak_lr, betas=cfg.optim.betas, eps=cfg.optim.eps, fused=fused, foreach=foreach
     )
     optimizer.step = clock.timed("optimizer", optimizer.step)
+
+    def step_phase() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step_phase = clock.timed("step_phase", step_phase)
     for _ in range(spec["warmup"] + spec["steps"]):
         clock.mark()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = objective(batch)["loss"]
         loss.backward()
-        t0 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        clock.calls.setdefault("step_phase", []).append(time.perf_counter() - t0)
+        step_phase()
     clock.mark()
 
 
@@ -220,15 +246,8 @@ def worker(spec_json: str) -> None:
     batch = {"image": images, "num_corrupt": torch.tensor(0)}
     clock = Clock()
     (run_plain if spec["zero_stage"] is None else run_engine)(cfg, spec, batch, clock)
-    first, last = spec["warmup"], spec["warmup"] + spec["steps"]
-    deltas = [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(clock.marks)][first:last]
-    result = {
-        "step": [seconds for seconds, _ in deltas],
-        "faults": [faults for _, faults in deltas],
-        **{name: values[first:last] for name, values in clock.calls.items()},
-        "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "threads": torch.get_num_threads(),
-    }
+    result = clock.report(spec["warmup"], spec["warmup"] + spec["steps"])
+    result["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     Path(spec["out"]).write_text(json.dumps(result))
 
 
@@ -317,40 +336,38 @@ def run_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, list[dict
 
 def summarize(runs: list[dict]) -> dict:
     """Medians pooled over every round's timed steps, plus each round's own median to show the noise."""
-    pooled = lambda key: statistics.median(v for run in runs for v in run.get(key, [])) if runs[0].get(key) else None  # noqa: E731
-    page_mib = os.sysconf("SC_PAGE_SIZE") / 2**20
+    pooled = lambda key: statistics.median(v for run in runs for v in run[key])  # noqa: E731
     return {
-        "step": pooled("step"),
+        "median": pooled("step"),
+        "min": min(v for run in runs for v in run["step"]),
         "rounds": [statistics.median(run["step"]) for run in runs],
+        "others_load": statistics.median(run["others_load"] for run in runs),
         "step_phase": pooled("step_phase"),
         "optimizer": pooled("optimizer"),
-        "fault_mib": pooled("faults") * page_mib,
+        "fault_mib": pooled("faults") * os.sysconf("SC_PAGE_SIZE") / 2**20,
         "max_rss_gib": max(run["max_rss_gib"] for run in runs),
-        "threads": runs[0]["threads"],
     }
 
 
 def render_table(cases: list[Case], stats: dict[Case, dict]) -> list[str]:
-    """Markdown rows; `vs plain` divides by the plain loop with the same optimizer kernel and malloc."""
+    """Markdown rows; `vs plain` divides by the plain loop with the same AdamW kernel and malloc."""
     lines = [
-        "| configuration (runner, AdamW kernel, malloc) | s/step | vs plain | per-round medians | step phase (share) "
-        "| AdamW.step | faulted MiB/step | peak RSS GiB |",
-        "|---|---:|---:|---|---:|---:|---:|---:|",
+        "| runner | AdamW | malloc | s/step median | min | vs plain (median / min) | per-round medians "
+        "| others' load | step phase (share) | AdamW.step | faulted MiB/step | peak RSS GiB |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for case in cases:
         s = stats[case]
         plain = stats.get(Case(None, case.optimizer, case.allocator))
-        ratio = f"{s['step'] / plain['step']:.3f}" if plain else "-"
-        rounds = " / ".join(f"{v:.3f}" for v in s["rounds"])
-        phase = f"{s['step_phase']:.3f} ({s['step_phase'] / s['step']:.0%})"
+        ratio = f"{s['median'] / plain['median']:.2f} / {s['min'] / plain['min']:.2f}" if plain else "-"
         lines.append(
-            f"| {case.label} | {s['step']:.3f} | {ratio} | {rounds} | {phase} | {s['optimizer']:.3f} "
+            f"| {case.runner} | {case.optimizer} | {case.allocator} | {s['median']:.3f} | {s['min']:.3f} | {ratio} "
+            f"| {' / '.join(f'{v:.3f}' for v in s['rounds'])} | {s['others_load']:.0%} "
+            f"| {s['step_phase']:.3f} ({s['step_phase'] / s['median']:.0%}) | {s['optimizer']:.3f} "
             f"| {s['fault_mib']:.0f} | {s['max_rss_gib']:.2f} |"
         )
-    spread = max((max(s["rounds"]) - min(s["rounds"])) / s["step"] for s in (stats[c] for c in cases))
-    lines.append("")
-    lines.append(f"Largest spread of per-round medians in this table: {spread:.1%} of its median.")
-    return lines
+    spread = max((max(s["rounds"]) - min(s["rounds"])) / s["median"] for s in (stats[c] for c in cases))
+    return [*lines, "", f"Largest spread of per-round medians in this table: {spread:.0%} of the median."]
 
 
 def environment(args: argparse.Namespace, load_before: tuple[float, ...]) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -52,6 +53,8 @@ def init_distributed(device_preference: str, timeout_s: int = 600) -> DistInfo:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     import deepspeed
 
+    # DeepSpeed's ZeRO still calls this torch collective under its old name; the warning is noise for users.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.dist.conftest import TINY_MODEL, launch, read_metrics, write_recipe
+from tests.launching import TINY_MODEL, launch, read_metrics, write_recipe
 
 pytestmark = pytest.mark.dist
 

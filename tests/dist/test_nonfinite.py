@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.dist.conftest import REPO, free_port, read_metrics
+from tests.launching import REPO, free_port, read_metrics
 
 pytestmark = pytest.mark.dist
 

@@ -13,7 +13,7 @@ import timm
 import torch
 from safetensors.torch import load_file
 
-from tests.dist.conftest import REPO, launch, losses, pretrain_recipe, read_metrics, write_recipe
+from tests.launching import REPO, launch, losses, pretrain_recipe, read_metrics, write_recipe
 
 pytestmark = pytest.mark.dist
 

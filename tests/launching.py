@@ -1,4 +1,4 @@
-"""Shared pieces for the multi-process tests: synthetic shards, tiny recipes, and running launch.sh for real."""
+"""Helpers for tests that run the pipeline for real: tiny recipes, synthetic shards, ./launch.sh, run outputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +56,7 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["train/loss"] for m in read_metrics(run_dir) if "train/loss" in m}
 
 
-def _write_synthetic(out: Path, split: str, num: int, shard_size: int, seed: int) -> Path:
+def write_synthetic(out: Path, split: str, num: int, shard_size: int, seed: int) -> Path:
     cmd = [
         sys.executable,
         "-m",
@@ -84,16 +83,6 @@ def _write_synthetic(out: Path, split: str, num: int, shard_size: int, seed: int
     return out
 
 
-@pytest.fixture(scope="session")
-def shards(tmp_path_factory) -> dict[str, Path]:
-    """Synthetic 16 px, 4 classes: train 512 samples in 8 shards, val 203 samples in 3 uneven shards."""
-    root = tmp_path_factory.mktemp("shards")
-    return {
-        "train": _write_synthetic(root / "train", "train", 512, 64, seed=0),
-        "val": _write_synthetic(root / "val", "val", 203, 70, seed=1),
-    }
-
-
 def pretrain_recipe(shards: dict[str, Path], run_dir: Path, **sections) -> dict:
     recipe = {
         "stage": "pretrain",
@@ -110,13 +99,3 @@ def pretrain_recipe(shards: dict[str, Path], run_dir: Path, **sections) -> dict:
     for key, value in sections.items():
         recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
     return recipe
-
-
-@pytest.fixture(scope="session")
-def zero2_run(shards, tmp_path_factory):
-    """6 steps of MAE, ZeRO-2, 2 processes, checkpoints at 3 and 6."""
-    tmp = tmp_path_factory.mktemp("zero2")
-    recipe = write_recipe(tmp / "tiny_mae.yaml", pretrain_recipe(shards, tmp / "run"))
-    proc = launch(recipe)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return tmp / "run", proc.stdout
