@@ -10,22 +10,18 @@ import sys
 
 import torch
 
-from core.config import load_config
-from core.engine.checkpoint import find_resume, load_checkpoint
-from core.engine.distributed import init_distributed, shutdown
-from core.engine.loop import NonFiniteLossError, TrainState, autocast_context, to_device, train
-from core.engine.setup import parallelize
+from core.engine.loop import autocast_context, to_device
 from core.engine.stage import (
     export_state_dict,
+    finish_stage,
     gather_state_dict,
-    launch_plan,
-    parse_stage_args,
-    prepare_run_dir,
+    run_loop,
     seed_everything,
+    start_engine,
+    start_stage,
     train_stream,
 )
-from core.logging import MetricsLogger
-from data.pipeline import dataset_size, make_eval_loader, resolve_shards
+from data.pipeline import make_eval_loader, resolve_shards
 from data.transforms import eval_transform, pretrain_transform
 from pretrain.export import main as export_main
 from pretrain.export import pretrain_manifest
@@ -36,86 +32,46 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
-    args = parse_stage_args("python -m pretrain", argv)
 
-    # Config and distributed init
-    cfg = load_config(args.recipe, args.overrides)
-    dist = init_distributed(cfg.engine.device)
-    run_dir, config_yaml = prepare_run_dir(cfg, dist)
-    samples = cfg.data.samples_per_epoch or dataset_size(cfg.data.train)
-    total_steps, warmup_steps = cfg.steps(samples)
+    # Config, distributed init, run dir, resume point
+    run = start_stage("python -m pretrain", argv)
+    cfg, dist = run.cfg, run.dist
 
-    # Resume order: this run_dir's latest checkpoint, else from scratch.
-    resume = find_resume(run_dir, dist.rank)
-    state = TrainState.from_resume(resume)
-
-    # Data
+    # Data: the endless training stream, positioned where the resumed run left it
     transform = pretrain_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, scale=cfg.data.crop_scale)
-    batches = train_stream(cfg, dist, transform, skip_batches=state.batches_consumed)
+    batches = train_stream(cfg, dist, transform, skip_batches=run.state.batches_consumed)
 
-    # Objective and engine (same init on every rank; per-rank seeds afterwards so masks differ across ranks)
+    # Objective (same init on every rank) and engine
     seed_everything(cfg.seed)
-    objective = build_objective(cfg)
-    engine, optimizer = parallelize(objective, cfg=cfg, dist=dist, run_dir=run_dir)
-    seed_everything(cfg.seed + dist.rank)
-    if resume is not None:
-        load_checkpoint(engine, run_dir=run_dir, resume=resume)
-
-    logger = MetricsLogger(run_dir, enabled=dist.is_main, tensorboard=cfg.logging.tensorboard, total_steps=total_steps)
-    logger.console(launch_plan(cfg, dist, total_steps=total_steps, warmup_steps=warmup_steps, samples=samples))
-    if resume is not None:
-        logger.console(f"[mimpipe] resumed from {run_dir / 'checkpoints' / resume['tag']} at step {state.step}")
+    engine, optimizer = start_engine(run, build_objective(cfg))
 
     # Reconstructions of one fixed batch with one fixed mask, so pictures are comparable across steps.
-    fixed = next(
-        iter(
-            make_eval_loader(
-                resolve_shards(cfg.data.train)[:1],
-                transform=eval_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, crop_pct=1.0),
-                batch_size=8,
-                rank=0,
-                world_size=1,
-                num_workers=0,
-            )
-        )
+    fixed_tf = eval_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, crop_pct=1.0)
+    fixed_loader = make_eval_loader(
+        resolve_shards(cfg.data.train)[:1], transform=fixed_tf, batch_size=8, rank=0, world_size=1, num_workers=0
     )
-    fixed = to_device(fixed, dist.device, cfg.engine.precision)
+    fixed = to_device(next(iter(fixed_loader)), dist.device, cfg.engine.precision)
 
     def log_images(step: int) -> None:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), autocast_context(cfg.engine.precision, dist.device):
             torch.manual_seed(0)
             out = engine(fixed)
-        logger.image("train/reconstruction", step, visualize(cfg, fixed, out))
+        run.logger.image("train/reconstruction", step, visualize(cfg, fixed, out))
 
     # Loop
-    try:
-        state = train(
-            cfg=cfg,
-            engine=engine,
-            optimizer=optimizer,
-            batches=batches,
-            dist=dist,
-            state=state,
-            total_steps=total_steps,
-            warmup_steps=warmup_steps,
-            logger=logger,
-            run_dir=run_dir,
-            config_yaml=config_yaml,
-            log_images=log_images,
-        )
-    except NonFiniteLossError as err:
-        logger.console(f"[mimpipe] {err}")
-        return 3
+    code = run_loop(run, engine, optimizer, batches, log_images=log_images)
+    if code:
+        return code
 
     # Export the encoder (consolidated from every ZeRO stage) in timm's layout.
     state_dict = gather_state_dict(engine, engine.module.encoder, dist)
     if dist.is_main and cfg.checkpoint.export_at_end:
-        manifest = pretrain_manifest(cfg, step=state.step, source=args.recipe)
-        out = export_state_dict(cfg, state_dict, run_dir / "export", num_classes=0, manifest=manifest)
-        logger.console(f"[mimpipe] encoder exported to {out} (timm.create_model('local-dir:{out}', pretrained=True))")
-    logger.console(f"[mimpipe] TensorBoard: tensorboard --logdir {run_dir / 'tb'}")
-    logger.close()
-    shutdown()
+        manifest = pretrain_manifest(cfg, step=run.state.step, source=run.recipe)
+        out = export_state_dict(cfg, state_dict, run.run_dir / "export", num_classes=0, manifest=manifest)
+        run.logger.console(
+            f"[mimpipe] encoder exported to {out} (timm.create_model('local-dir:{out}', pretrained=True))"
+        )
+    finish_stage(run)
     return 0
 
 

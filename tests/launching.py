@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 TINY_MODEL = {"size": "tiny", "embed_dim": 32, "depth": 2, "num_heads": 2, "img_size": 16, "patch_size": 4}
 

@@ -1,28 +1,125 @@
-"""Plain functions both stage entry points share: run-dir set-up, the launch plan, the training stream,
-gathering a module's full weights (ZeRO-3 included) and exporting them."""
+"""Plain functions both stage entry points share: starting a run (config, process group, run dir, resume point,
+logger), the engine with its checkpoint restored, the training stream, the loop with its exit code, gathering a
+module's full weights (ZeRO-3 included) and exporting them."""
 
 from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from core.config import Config, dump_config
-from core.engine.distributed import DistInfo
+from core.config import Config, dump_config, load_config
+from core.engine.checkpoint import find_resume, load_checkpoint
+from core.engine.distributed import DistInfo, init_distributed, shutdown
 from core.engine.export import export_model
+from core.engine.loop import NonFiniteLossError, TrainState, train
+from core.engine.setup import parallelize
+from core.logging import MetricsLogger
 from core.models import build_vit, vit_model_args
-from data.pipeline import make_train_loader, resolve_shards
+from data.pipeline import dataset_size, make_train_loader, resolve_shards
 
 
-def parse_stage_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
+@dataclass
+class StageRun:
+    """Everything a stage entry point holds between its sections."""
+
+    cfg: Config
+    recipe: str
+    dist: DistInfo
+    run_dir: Path
+    config_yaml: str
+    samples: int | None
+    total_steps: int
+    warmup_steps: int
+    resume: dict | None
+    state: TrainState
+    logger: MetricsLogger
+
+
+def start_stage(prog: str, argv: list[str] | None) -> StageRun:
+    """Parse `RECIPE [overrides]`, load the config, join the process group, prepare run_dir, find the resume point.
+
+    Resume order: this run_dir's `checkpoints/latest`, else from scratch (fine-tuning applies `model.init`
+    first; a resumed checkpoint is loaded over it).
+    """
     parser = argparse.ArgumentParser(prog=prog, description="Run a recipe: RECIPE [section.key=value ...]")
     parser.add_argument("recipe", help="YAML recipe")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.base_lr=1e-4")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    cfg = load_config(args.recipe, args.overrides)
+    dist = init_distributed(cfg.engine.device)
+    run_dir, config_yaml = prepare_run_dir(cfg, dist)
+    samples = cfg.data.samples_per_epoch or dataset_size(cfg.data.train)
+    total_steps, warmup_steps = cfg.steps(samples)
+    resume = find_resume(run_dir, dist.rank)
+    logger = MetricsLogger(run_dir, enabled=dist.is_main, tensorboard=cfg.logging.tensorboard, total_steps=total_steps)
+    return StageRun(
+        cfg,
+        args.recipe,
+        dist,
+        run_dir,
+        config_yaml,
+        samples,
+        total_steps,
+        warmup_steps,
+        resume,
+        TrainState.from_resume(resume),
+        logger,
+    )
+
+
+def start_engine(run: StageRun, objective: nn.Module):
+    """DeepSpeed engine for `objective` (built under the shared seed), the checkpoint restored; prints the plan."""
+    cfg, dist = run.cfg, run.dist
+    engine, optimizer = parallelize(objective, cfg=cfg, dist=dist, run_dir=run.run_dir)
+    seed_everything(cfg.seed + dist.rank)  # per-rank randomness (masks, drop path) from here on
+    run.logger.console(
+        launch_plan(cfg, dist, total_steps=run.total_steps, warmup_steps=run.warmup_steps, samples=run.samples)
+    )
+    if run.resume is not None:
+        load_checkpoint(engine, run_dir=run.run_dir, resume=run.resume)
+        run.logger.console(
+            f"[mimpipe] resumed from {run.run_dir / 'checkpoints' / run.resume['tag']} at step {run.state.step}"
+        )
+    return engine, optimizer
+
+
+def run_loop(
+    run: StageRun, engine, optimizer, batches, *, evaluate: Callable | None = None, log_images: Callable | None = None
+) -> int:
+    """The training loop; returns the process exit code (3 after too many non-finite losses)."""
+    try:
+        train(
+            cfg=run.cfg,
+            engine=engine,
+            optimizer=optimizer,
+            batches=batches,
+            dist=run.dist,
+            state=run.state,
+            total_steps=run.total_steps,
+            warmup_steps=run.warmup_steps,
+            logger=run.logger,
+            run_dir=run.run_dir,
+            config_yaml=run.config_yaml,
+            evaluate=evaluate,
+            log_images=log_images,
+        )
+    except NonFiniteLossError as err:
+        run.logger.console(f"[mimpipe] {err}")
+        return 3
+    return 0
+
+
+def finish_stage(run: StageRun) -> None:
+    run.logger.console(f"[mimpipe] TensorBoard: tensorboard --logdir {run.run_dir / 'tb'}")
+    run.logger.close()
+    shutdown()
 
 
 def seed_everything(seed: int) -> None:
