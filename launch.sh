@@ -47,6 +47,13 @@ if [[ "$num_gpus" -eq 0 && -z "${OMP_NUM_THREADS:-}" ]]; then
     cores=$(nproc)
     export OMP_NUM_THREADS=$(( cores / nproc_per_node > 0 ? cores / nproc_per_node : 1 ))
 fi
+# glibc hands large freed buffers back to the OS, so every step page-faults fresh activations and ZeRO's flat
+# buffers back in (benchmarks/results/engine.md: ZeRO-1 1.4-1.6x a plain loop with glibc, 1.05-1.2x with
+# tcmalloc). Preload tcmalloc (Debian: libtcmalloc-minimal4) when it is installed; MIMPIPE_MALLOC=system skips it.
+tcmalloc=/usr/lib/$(uname -m)-linux-gnu/libtcmalloc_minimal.so.4
+if [[ "${MIMPIPE_MALLOC:-tcmalloc}" == "tcmalloc" && -f "$tcmalloc" && "${LD_PRELOAD:-}" != *tcmalloc* ]]; then
+    export LD_PRELOAD="$tcmalloc${LD_PRELOAD:+:$LD_PRELOAD}"
+fi
 
 cmd=("$python" -m torch.distributed.run
      --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc_per_node"
