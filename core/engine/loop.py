@@ -126,10 +126,12 @@ def train(
             engine.step()
         window.add_step(step_loss / accum, micro_batch * accum * dist.world_size)
         if log_now:
+            grad_norm = _grad_norm(engine)
+            if grad_norm is None and local_norm is not None:  # ZeRO-0 without clipping: DeepSpeed computed none
+                grad_norm = float(local_norm)
             values = window.flush(
                 lr=lr,
-                grad_norm=_grad_norm(engine),
-                local_norm=local_norm,
+                grad_norm=grad_norm,
                 engine=engine,
                 precision=precision,
                 state=state,
@@ -206,7 +208,7 @@ class _Window:
         self.steps += 1
         self.samples += samples
 
-    def flush(self, *, lr, grad_norm, local_norm, engine, precision, state: TrainState) -> dict[str, float]:
+    def flush(self, *, lr, grad_norm, engine, precision, state: TrainState) -> dict[str, float]:
         elapsed = time.perf_counter() - self.start
         names = ["train/loss", *(f"train/{k}" for k in self.extra)]
         means = torch.stack([self.loss / self.steps, *(v / self.micro_steps for v in self.extra.values())])
@@ -215,8 +217,6 @@ class _Window:
         state.corrupt_samples += int(all_reduce(self.corrupt.to(self.device)).item())
         values = dict(zip(names, means.tolist(), strict=True))
         values["train/lr"] = lr
-        if grad_norm is None and local_norm is not None:
-            grad_norm = float(local_norm)
         if grad_norm is not None:
             values["train/grad_norm"] = grad_norm
         if precision == "fp16":
