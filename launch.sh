@@ -40,7 +40,7 @@ world_size=$((nnodes * nproc_per_node))
 check_args=("$recipe" "${overrides[@]}" --world-size "$world_size")
 [[ $dry_run -eq 1 ]] && check_args+=(--dry-run)
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
-stage="$("$python" -m core.launch "${check_args[@]}")"
+module="$("$python" -m core.launch "${check_args[@]}")"
 
 # CPU runs: split the cores between the processes of this node.
 if [[ "$num_gpus" -eq 0 && -z "${OMP_NUM_THREADS:-}" ]]; then
@@ -62,7 +62,7 @@ fi
 cmd=("$python" -m torch.distributed.run
      --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc_per_node"
      --master-addr "$master_addr" --master-port "$master_port"
-     -m "$stage" "$recipe" "${overrides[@]}")
+     -m "$module" "$recipe" "${overrides[@]}")
 if [[ $dry_run -eq 1 ]]; then
     printf '%q ' "${cmd[@]}"; echo
     exit 0

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import difflib
 import math
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -36,6 +37,8 @@ class ModelConfig(Section):
     depth: int | None = Field(None, gt=0)
     num_heads: int | None = Field(None, gt=0)
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    layer_scale_init: float | None = Field(None, gt=0.0)
+    """LayerScale: per-channel residual scales initialised to this value (BEiT: 0.1); None turns it off."""
     global_pool: Literal["token", "avg"] = "token"
     """Fine-tuning pooling: cls token, or average of patch tokens + fc_norm (MAE's fine-tuning default)."""
     init: str | None = None
@@ -86,13 +89,107 @@ class MAEObjective(Section):
     decoder_num_heads: int = Field(16, gt=0)
 
 
+class BlockwiseMask(Section):
+    """BEiT's block masking: rectangles of at least `min_patches` until `num_masked` patches are covered."""
+
+    kind: Literal["blockwise"] = "blockwise"
+    num_masked: int | None = Field(None, gt=0)
+    """Patches to mask per image (BEiT-B: 75 of 196); default round(0.4 x patches)."""
+    min_patches: int = Field(16, gt=0)
+    max_patches: int | None = Field(None, gt=0)
+    """Largest block; default num_masked."""
+    aspect_ratio: tuple[float, float] = (0.3, 1 / 0.3)
+    """Block height / width range, drawn log-uniformly."""
+    tries: int = Field(10, gt=0)
+    """Attempts to place each block."""
+
+    @model_validator(mode="after")
+    def _check_aspect(self) -> BlockwiseMask:
+        low, high = self.aspect_ratio
+        if not 0 < low <= high:
+            raise ValueError(f"aspect_ratio must satisfy 0 < low <= high, got {self.aspect_ratio}")
+        return self
+
+    def budget(self, num_patches: int) -> int:
+        return self.num_masked if self.num_masked is not None else round(0.4 * num_patches)
+
+
+class RandomMask(Section):
+    """Uniformly random patches (the ViT paper's masked-patch prediction: 50%)."""
+
+    kind: Literal["random"] = "random"
+    ratio: float = Field(0.5, gt=0.0, lt=1.0)
+
+    def budget(self, num_patches: int) -> int:
+        return round(self.ratio * num_patches)
+
+
+def _mask_kind(value: Any) -> str | None:
+    """The mask section's `kind`, blockwise when the recipe leaves it out."""
+    return value.get("kind", "blockwise") if isinstance(value, dict) else getattr(value, "kind", None)
+
+
+Mask = Annotated[
+    Annotated[BlockwiseMask, Tag("blockwise")] | Annotated[RandomMask, Tag("random")], Discriminator(_mask_kind)
+]
+
+
+class TargetConfig(Section):
+    """What a masked patch is asked to predict."""
+
+    kind: Literal["mean_color_3bit", "color_3bit_4x4", "pixels_l2", "tokenizer"] = "mean_color_3bit"
+    """mean_color_3bit: the patch's mean RGB at 3 bits per channel (512 classes, the ViT paper's best);
+    color_3bit_4x4: 16 cells of 512 classes; pixels_l2: L2 regression on the patch; tokenizer: code indices."""
+    path: str | None = None
+    """tokenizer: the exported tokenizer folder (RUN_DIR/export of a `stage: tokenizer` run)."""
+    norm_pix: bool = False
+    """pixels_l2: standardise each target patch by its own mean and variance (MAE's norm_pix_loss)."""
+
+    @model_validator(mode="after")
+    def _check_path(self) -> TargetConfig:
+        if self.kind == "tokenizer" and not self.path:
+            raise ValueError("target kind 'tokenizer' needs objective.target.path (a tokenizer export folder)")
+        return self
+
+
+class BEiTObjective(Section):
+    """Masked-patch prediction over all patches (BEiT, and the ViT paper's variant with colour targets)."""
+
+    kind: Literal["beit"] = "beit"
+    mask: Mask = BlockwiseMask()
+    corruption: Literal["mask_token", "mixed"] = "mask_token"
+    """mask_token: every selected patch becomes the mask token (BEiT); mixed: 80% mask token, 10% another random
+    patch's embedding, 10% unchanged (the ViT paper). The loss covers every selected patch."""
+    target: TargetConfig = TargetConfig()
+    head: Literal["linear", "mlp"] = "linear"
+
+
+class VQVAEObjective(Section):
+    """The image tokenizer trained by `stage: tokenizer`: a VQ-VAE with an EMA codebook and dead-code restarts."""
+
+    kind: Literal["vqvae"] = "vqvae"
+    img_size: int | tuple[int, int] = 112
+    """The tokenizer's input resolution (BEiT: a 112 px view for a 224 px / patch 16 encoder)."""
+    downsample: int = Field(8, gt=1)
+    """Pixels per code along each side (a power of two); grid = img_size / downsample."""
+    codebook_size: int = Field(8192, gt=1)
+    code_dim: int = Field(32, gt=0)
+    hidden_dim: int = Field(128, gt=0)
+    commitment: float = Field(0.25, ge=0.0)
+    ema_decay: float = Field(0.99, gt=0.0, lt=1.0)
+    dead_code_threshold: float = Field(1.0, ge=0.0)
+    """A code whose EMA usage count falls below this is restarted next to a busy one."""
+
+
 class ClassificationObjective(Section):
     kind: Literal["classification"] = "classification"
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
 
 
-Objective = Annotated[MAEObjective | ClassificationObjective, Field(discriminator="kind")]
-OBJECTIVES_BY_STAGE = {"pretrain": ("mae",), "finetune": ("classification",)}
+Objective = Annotated[
+    MAEObjective | BEiTObjective | VQVAEObjective | ClassificationObjective, Field(discriminator="kind")
+]
+OBJECTIVES_BY_STAGE = {"pretrain": ("mae", "beit"), "finetune": ("classification",), "tokenizer": ("vqvae",)}
 
 
 class OptimConfig(Section):
@@ -106,6 +203,9 @@ class OptimConfig(Section):
     eps: float = Field(1e-8, gt=0.0)
     grad_clip: float = Field(0.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 turns clipping off."""
+    layer_decay: float = Field(1.0, gt=0.0, le=1.0)
+    """Layer-wise lr decay (BEiT/MAE fine-tuning): block i (0-based) of L gets lr x layer_decay^(L - i), the
+    embeddings layer_decay^(L + 1), the final norm and head the full lr; 1 turns it off."""
 
 
 class ScheduleConfig(Section):
@@ -153,7 +253,7 @@ class EvalConfig(Section):
 
 
 class Config(Section):
-    stage: Literal["pretrain", "finetune"] = "pretrain"
+    stage: Literal["pretrain", "finetune", "tokenizer"] = "pretrain"
     run_dir: str = "runs/default"
     seed: int = 0
     model: ModelConfig = ModelConfig()
@@ -171,6 +271,11 @@ class Config(Section):
         allowed = OBJECTIVES_BY_STAGE[self.stage]
         if self.objective.kind not in allowed:
             raise ValueError(f"objective.kind {self.objective.kind!r} does not fit stage {self.stage!r} ({allowed})")
+        if isinstance(self.objective, BEiTObjective):
+            num_patches = math.prod(self.model.grid)
+            budget = self.objective.mask.budget(num_patches)
+            if not 0 < budget < num_patches:
+                raise ValueError(f"objective.mask masks {budget} of {num_patches} patches; need 1 to {num_patches - 1}")
         if self.data.global_batch_size % self.engine.grad_accum_steps:
             raise ValueError(
                 f"data.global_batch_size {self.data.global_batch_size} is not divisible by "
@@ -236,33 +341,49 @@ def _set_dotted(tree: dict, override: str) -> None:
     node[leaf] = yaml.safe_load(raw)
 
 
-def _field_names(loc: tuple) -> list[str]:
-    """Field names valid at the parent of an error location (for close-match hints)."""
-    model: type[BaseModel] = Config
-    for part in loc[:-1]:
-        if part in ("mae", "classification"):
+def _unwrap(annotation: Any) -> type:
+    """`Annotated[X, ...]` -> X; a plain class as it is; anything else -> `object`."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation if isinstance(annotation, type) else object
+
+
+def _walk(loc: tuple) -> tuple[list[str], type[BaseModel] | None]:
+    """An error location as the user writes it (discriminated-union tags such as `mae` dropped), and the section
+    model holding its last key (None when that is not a section, e.g. inside a list)."""
+    model: type[BaseModel] | None = Config
+    members: list[type[BaseModel]] = []
+    keys: list[str] = []
+    for i, part in enumerate(loc):
+        if members:  # pydantic puts the chosen `kind` of a discriminated union into the location
+            model = next((m for m in members if m.model_fields["kind"].default == part), None)
+            members = []
             continue
-        if part == "objective":
-            model = {"mae": MAEObjective, "classification": ClassificationObjective}.get(loc[1], MAEObjective)
-            continue
-        annotation = model.model_fields[part].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
-        model = annotation
-    return list(model.model_fields)
+        keys.append(str(part))
+        field = model.model_fields.get(part) if model is not None and i < len(loc) - 1 else None
+        annotation = field.annotation if field is not None else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        else:
+            members = [a for a in map(_unwrap, typing.get_args(annotation)) if issubclass(a, BaseModel)]
+            model = None if i < len(loc) - 1 and not members else model
+    return keys, model
 
 
 def _explain(err: ValidationError, source: str) -> ConfigError:
     lines = []
     for e in err.errors():
-        loc = tuple(p for p in e["loc"] if p not in ("mae", "classification"))
-        key = ".".join(str(p) for p in loc) or "<root>"
+        keys, parent = _walk(tuple(e["loc"]))
+        key = ".".join(keys) or "<root>"
         if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(loc[-1]), _field_names(e["loc"]), n=1)
+            fields = list(parent.model_fields) if parent is not None else []
+            close = difflib.get_close_matches(keys[-1], fields, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             lines.append(f"{key}: unknown key{hint}")
-        else:
+        elif keys:
             lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+        else:  # a cross-field check: its message names the keys
+            lines.append(e["msg"].removeprefix("Value error, "))
     return ConfigError(f"{source}: invalid recipe\n  " + "\n  ".join(lines))
 
 

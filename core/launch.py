@@ -1,5 +1,5 @@
 """Pre-launch check used by launch.sh: validate the recipe and the batch split for the world size before any
-process starts; print the stage to run (stdout) and, with --dry-run, the resolved config (stderr)."""
+process starts; print the module to run (stdout) and, with --dry-run, the resolved config (stderr)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import argparse
 import sys
 
 from core.config import ConfigError, dump_config, load_config
+
+# The module launch.sh runs for each `stage` (the tokenizer is trained by the pretraining entry point).
+STAGE_MODULES = {"pretrain": "pretrain", "tokenizer": "pretrain", "finetune": "finetune"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.engine.precision}",
         file=sys.stderr,
     )
-    print(cfg.stage)
+    print(STAGE_MODULES[cfg.stage])
     return 0
 
 

@@ -1,10 +1,15 @@
-"""Image transforms: an RGB PIL image in, a normalized (3, H, W) float32 tensor out.
+"""Image transforms: an RGB PIL image in, a normalized (3, H, W) float32 tensor out (or a dict of tensors with
+"image": a second view for a tokenizer, a patch mask).
 
-All randomness comes from the global torch RNG, which the data pipeline seeds per sample.
+All randomness comes from the global torch / python RNGs, which the data pipeline seeds per sample.
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import torch
+import torchvision.transforms.functional as TF
+from PIL import Image
 
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torchvision import transforms as T
@@ -95,3 +100,52 @@ def _crop_flip(
             T.Normalize(mean, std),
         ]
     )
+
+
+class TwoViewCropFlip:
+    """One RandomResizedCrop and flip, rendered at two resolutions: the encoder's view ("image", bicubic) and a
+    second view ("tokenizer_image", Lanczos) for an image tokenizer, as BEiT does (224 px and 112 px).
+
+    Args:
+        img_size: The encoder's input size.
+        second_size: The tokenizer's input size.
+        mean, std: Normalisation of the encoder's view.
+        second_mean, second_std: Normalisation of the tokenizer's view (the tokenizer's own).
+        scale: Range of the crop's area as a fraction of the image.
+    """
+
+    def __init__(self, img_size, second_size, mean, std, second_mean, second_std, scale=(0.2, 1.0)):
+        self.sizes = (_pair(img_size), _pair(second_size))
+        self.norms = (T.Normalize(mean, std), T.Normalize(second_mean, second_std))
+        self.crop = T.RandomResizedCrop(self.sizes[0], scale=scale)
+        self.modes = (T.InterpolationMode.BICUBIC, T.InterpolationMode.LANCZOS)
+
+    def __call__(self, image: Image.Image) -> dict[str, torch.Tensor]:
+        top, left, height, width = self.crop.get_params(image, self.crop.scale, self.crop.ratio)
+        flip = torch.rand(()) < 0.5
+        views = []
+        for size, mode, norm in zip(self.sizes, self.modes, self.norms, strict=True):
+            view = TF.resized_crop(image, top, left, height, width, list(size), interpolation=mode)
+            views.append(norm(TF.to_tensor(TF.hflip(view) if flip else view)))
+        return {"image": views[0], "tokenizer_image": views[1]}
+
+
+class WithMask:
+    """Adds a per-sample patch mask, drawn in the data worker, to an image transform's output ("mask": (gh, gw) bool).
+
+    Args:
+        transform: Image transform returning a tensor or a dict of tensors with "image".
+        mask_generator: Called with no argument; returns a (gh, gw) bool mask (see data/masking.py).
+    """
+
+    def __init__(self, transform: Callable, mask_generator: Callable[[], torch.Tensor]):
+        self.transform, self.mask_generator = transform, mask_generator
+
+    def __call__(self, image: Image.Image) -> dict[str, torch.Tensor]:
+        out = self.transform(image)
+        fields = out if isinstance(out, dict) else {"image": out}
+        return {**fields, "mask": self.mask_generator()}
+
+
+def _pair(size: int | Sequence[int]) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))

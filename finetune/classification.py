@@ -5,6 +5,8 @@ Shapes: B batch, K classes, H/W image height/width.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from timm.models import VisionTransformer
@@ -50,6 +52,19 @@ class Classification(nn.Module):
         """Full parameter names kept out of weight decay: position embedding and prefix tokens (timm's list)."""
         names = {name for name, _ in self.named_parameters()}
         return {f"model.{name}" for name in self.model.no_weight_decay()} & names
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """timm's parameter groups of the ViT (for layer-wise lr decay), re-rooted at this wrapper's `model.`."""
+        return {group: _reroot(rule, "model.") for group, rule in self.model.group_matcher(coarse).items()}
+
+
+def _reroot(rule, prefix: str):
+    """A timm group-matcher rule (regex, or list of (regex, ordinal)) matching the same names under `prefix`.
+
+    timm applies rules with `re.match`, so every alternative of `a|b` is anchored at the start of the name."""
+    if isinstance(rule, str):
+        return f"^{re.escape(prefix)}(?:{rule.removeprefix('^')})"
+    return [(_reroot(regex, prefix), ordinal) for regex, ordinal in rule]
 
 
 def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> torch.Tensor:

@@ -22,10 +22,11 @@ from core.engine.stage import (
     train_stream,
 )
 from data.pipeline import make_eval_loader, resolve_shards
-from data.transforms import eval_transform, pretrain_transform
+from data.transforms import eval_transform
 from pretrain.export import main as export_main
 from pretrain.export import pretrain_manifest
-from pretrain.objectives import build_objective, visualize
+from pretrain.train_tokenizer import train_tokenizer
+from pretrain.objectives import PICTURES, build_objective, train_transform, visualize
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,10 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     # Config, distributed init, run dir, resume point
     run = start_stage("python -m pretrain", argv)
     cfg, dist = run.cfg, run.dist
+    if cfg.stage == "tokenizer":
+        return train_tokenizer(run)
 
     # Data: the endless training stream, positioned where the resumed run left it
-    transform = pretrain_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, scale=cfg.data.crop_scale)
-    batches = train_stream(cfg, dist, transform, skip_batches=run.state.batches_consumed)
+    batches = train_stream(cfg, dist, train_transform(cfg), skip_batches=run.state.batches_consumed)
 
     # Objective (same init on every rank) and engine
     seed_everything(cfg.seed)
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         run.logger.image("train/reconstruction", step, visualize(cfg, fixed, out))
 
     # Loop
-    code = run_loop(run, engine, optimizer, batches, log_images=log_images)
+    code = run_loop(run, engine, optimizer, batches, log_images=log_images if cfg.objective.kind in PICTURES else None)
     if code:
         return code
 

@@ -1,13 +1,23 @@
-"""Registry of pretraining objectives: `objective.kind` -> how to build it and how to picture its output."""
+"""Registry of pretraining objectives: `objective.kind` -> how to build it, what its data transform adds to each
+sample (masks and views made in the data workers) and how to picture its output."""
 
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from core.config import Config
+from core.config import BEiTObjective, BlockwiseMask, Config
 from core.engine.stage import build_model
+from data.masking import BlockwiseMaskGenerator, RandomMaskGenerator
+from data.transforms import TwoViewCropFlip, WithMask, pretrain_transform
+from pretrain.beit import MaskedPatchPrediction
 from pretrain.mae import MAE, reconstruction_grid
+from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2, TokenizerCodes
+from pretrain.tokenizer import load_tokenizer
 
 
 def _build_mae(cfg: Config) -> nn.Module:
@@ -22,6 +32,66 @@ def _build_mae(cfg: Config) -> nn.Module:
     )
 
 
+def _build_beit(cfg: Config) -> nn.Module:
+    o: BEiTObjective = cfg.objective
+    patch = (cfg.model.patch_size, cfg.model.patch_size)
+    kind = o.target.kind
+    if kind == "mean_color_3bit":
+        target = MeanColor3Bit(patch, cfg.data.mean, cfg.data.std)
+    elif kind == "color_3bit_4x4":
+        target = Color3Bit4x4(patch, cfg.data.mean, cfg.data.std)
+    elif kind == "pixels_l2":
+        target = PixelsL2(patch, norm_pix=o.target.norm_pix)
+    else:
+        target = TokenizerCodes(load_tokenizer(o.target.path), cfg.model.grid)
+    return MaskedPatchPrediction(build_model(cfg), target, corruption=o.corruption, head=o.head)
+
+
+def _mae_transform(cfg: Config):
+    return pretrain_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, scale=cfg.data.crop_scale)
+
+
+def _beit_transform(cfg: Config):
+    o: BEiTObjective = cfg.objective
+    if o.target.kind == "tokenizer":
+        manifest = tokenizer_manifest(o.target.path)
+        crop = TwoViewCropFlip(
+            cfg.model.img_size,
+            manifest["tokenizer"]["img_size"],
+            cfg.data.mean,
+            cfg.data.std,
+            manifest["mean"],
+            manifest["std"],
+            scale=cfg.data.crop_scale,
+        )
+    else:
+        crop = _mae_transform(cfg)
+    return WithMask(crop, mask_generator(cfg))
+
+
+def mask_generator(cfg: Config):
+    """The recipe's patch-mask generator for the encoder's grid (called once per sample in the data workers)."""
+    m, grid = cfg.objective.mask, cfg.model.grid
+    if isinstance(m, BlockwiseMask):
+        return BlockwiseMaskGenerator(
+            grid,
+            m.budget(math.prod(grid)),
+            min_patches=m.min_patches,
+            max_patches=m.max_patches,
+            aspect_ratio=m.aspect_ratio,
+            tries=m.tries,
+        )
+    return RandomMaskGenerator(grid, m.ratio)
+
+
+def tokenizer_manifest(path: str | Path) -> dict:
+    """The `mimpipe.json` of a tokenizer export (architecture, normalisation)."""
+    file = Path(path) / "mimpipe.json"
+    if not file.is_file():
+        raise ValueError(f"objective.target.path {path}: no mimpipe.json (expected a `stage: tokenizer` export)")
+    return json.loads(file.read_text())
+
+
 def _picture_mae(cfg: Config, batch: dict, out: dict) -> torch.Tensor:
     return reconstruction_grid(
         batch["image"].float(),
@@ -34,7 +104,8 @@ def _picture_mae(cfg: Config, batch: dict, out: dict) -> torch.Tensor:
     )
 
 
-BUILDERS = {"mae": _build_mae}
+BUILDERS = {"mae": _build_mae, "beit": _build_beit}
+TRANSFORMS = {"mae": _mae_transform, "beit": _beit_transform}
 PICTURES = {"mae": _picture_mae}
 
 
@@ -43,6 +114,12 @@ def build_objective(cfg: Config) -> nn.Module:
     return BUILDERS[cfg.objective.kind](cfg)
 
 
-def visualize(cfg: Config, batch: dict, out: dict) -> torch.Tensor:
-    """(3, H, W) picture in [0, 1] of the objective's output on `batch`, for TensorBoard."""
-    return PICTURES[cfg.objective.kind](cfg, batch, out)
+def train_transform(cfg: Config):
+    """The per-sample training transform of `cfg.objective.kind` (augmentation, plus masks and extra views)."""
+    return TRANSFORMS[cfg.objective.kind](cfg)
+
+
+def visualize(cfg: Config, batch: dict, out: dict) -> torch.Tensor | None:
+    """(3, H, W) picture in [0, 1] of the objective's output on `batch` for TensorBoard; None when it has none."""
+    picture = PICTURES.get(cfg.objective.kind)
+    return picture(cfg, batch, out) if picture is not None else None

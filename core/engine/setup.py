@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from timm.optim import param_groups_weight_decay
+from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
 
 from core.config import Config
@@ -76,9 +76,18 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
 
 
 def build_optimizer(objective: nn.Module, cfg: Config, device: torch.device) -> GuardedAdamW:
-    """AdamW with no weight decay on biases, norm weights and the objective's `no_weight_decay()` names."""
+    """AdamW with no weight decay on biases, norm weights and the objective's `no_weight_decay()` names; with
+    `optim.layer_decay` < 1, groups carry an `lr_scale` per depth from the objective's timm `group_matcher`."""
     skip = objective.no_weight_decay() if hasattr(objective, "no_weight_decay") else set()
-    groups = param_groups_weight_decay(objective, weight_decay=cfg.optim.weight_decay, no_weight_decay_list=skip)
+    o = cfg.optim
+    if o.layer_decay < 1.0:
+        if not hasattr(objective, "group_matcher"):
+            raise ValueError(f"optim.layer_decay needs an objective with a group_matcher; {type(objective).__name__}")
+        groups = param_groups_layer_decay(
+            objective, weight_decay=o.weight_decay, no_weight_decay_list=skip, layer_decay=o.layer_decay
+        )
+    else:
+        groups = param_groups_weight_decay(objective, weight_decay=o.weight_decay, no_weight_decay_list=skip)
     # The fused kernel updates in one pass with no temporaries; the default CPU path allocates several
     # parameter-sized buffers per step, which costs more than the arithmetic on big flat ZeRO partitions.
     return GuardedAdamW(groups, lr=cfg.peak_lr, betas=cfg.optim.betas, eps=cfg.optim.eps, fused=True)

@@ -191,6 +191,7 @@ def build_model(cfg: Config, num_classes: int = 0) -> nn.Module:
         embed_dim=m.embed_dim,
         depth=m.depth,
         num_heads=m.num_heads,
+        **({"init_values": m.layer_scale_init} if m.layer_scale_init is not None else {}),
     )
 
 

@@ -1,0 +1,205 @@
+"""Patch-mask generators for masked-patch prediction, run per sample inside the DataLoader workers.
+
+Two generators, each returning an (h, w) bool tensor over the patch grid, True = masked:
+
+- `BlockwiseMaskGenerator`: BEiT's blockwise masking. Rectangular blocks (at least `min_patches`
+  patches each, area drawn uniformly, aspect ratio log-uniform) are added until the budget is met
+  or a block makes no progress. BEiT can end a few patches short of its budget; we then top up
+  with single patches next to the masked ones, so every mask has exactly `num_masked` patches and
+  a batch of masks stacks into a fixed number of masked tokens per sample.
+- `RandomMaskGenerator`: exactly `round(ratio * h * w)` patches chosen uniformly (the ViT paper's
+  masked-patch prediction).
+
+Why in the workers: masks for MAE are drawn inside the objective, on the device, but blockwise
+masks are a sequential Python loop per sample. Making them in the workers keeps that loop off the
+training step and lets the mask travel with its image in the batch, as BEiT and DINOv2
+(`data/masking.py`, `collate.py`) do.
+
+Randomness comes from the global `random` RNG unless an explicit `random.Random` is passed. The
+data pipeline seeds `random` (and numpy, torch) per sample, so masks are reproduced on resume.
+
+Shape legend: h, w = patch-grid height and width.
+"""
+
+import math
+import random
+
+import numpy as np
+import torch
+
+Block = tuple[int, int, int, int]  # (top, left, height, width) in patches
+
+
+def _check_grid(grid: tuple[int, int]) -> tuple[int, int]:
+    height, width = grid
+    if height < 1 or width < 1:
+        raise ValueError(f"grid must be (height, width) with both >= 1, got {grid}")
+    return int(height), int(width)
+
+
+def _frontier(mask: np.ndarray) -> np.ndarray:
+    """Unmasked patches with a masked 4-neighbour. (h, w) bool -> (h, w) bool."""
+    near = np.zeros_like(mask)
+    near[1:] |= mask[:-1]
+    near[:-1] |= mask[1:]
+    near[:, 1:] |= mask[:, :-1]
+    near[:, :-1] |= mask[:, 1:]
+    return near & ~mask
+
+
+class BlockwiseMaskGenerator:
+    """BEiT blockwise masking with an exact masked count.
+
+    Each block takes up to `tries` attempts. An attempt draws a target area uniformly in
+    [min_patches, min(max_patches, remaining budget)] and an aspect ratio (height / width)
+    log-uniformly in `aspect_ratio`, rounds the rectangle's sides, and places it at a uniform random
+    position if it fits. It is accepted only if it masks between 1 and `remaining budget` new
+    patches. Rounding can take a rectangle outside [min_patches, max_patches]; such attempts are
+    rejected, so every placed block really has at least `min_patches` patches. The block loop stops
+    when the budget is met, when the remaining budget is below `min_patches`, or when all attempts
+    of a block fail; the rest is then topped up one patch at a time (see `sample_blocks`).
+
+    Args:
+        grid: Patch grid (height, width).
+        num_masked: Exact number of patches masked in every mask, in [0, height * width].
+        min_patches: Smallest block, in patches. May exceed `num_masked`: then no block is placed
+            and the whole mask comes from the top-up.
+        max_patches: Largest block, in patches; None means the whole grid.
+        aspect_ratio: (low, high) range of block height / width, 0 < low <= high.
+        tries: Attempts per block before the block loop gives up.
+    """
+
+    def __init__(
+        self,
+        grid: tuple[int, int],
+        num_masked: int,
+        *,
+        min_patches: int = 16,
+        max_patches: int | None = None,
+        aspect_ratio: tuple[float, float] = (0.3, 1 / 0.3),
+        tries: int = 10,
+    ):
+        self.height, self.width = _check_grid(grid)
+        num_patches = self.height * self.width
+        if not 0 <= num_masked <= num_patches:
+            raise ValueError(f"num_masked must be in [0, {num_patches}] for grid {grid}, got {num_masked}")
+        if min_patches < 1:
+            raise ValueError(f"min_patches must be >= 1, got {min_patches}")
+        if max_patches is not None and max_patches < min_patches:
+            raise ValueError(f"max_patches ({max_patches}) must be >= min_patches ({min_patches})")
+        low, high = aspect_ratio
+        if not 0 < low <= high:
+            raise ValueError(f"aspect_ratio must be (low, high) with 0 < low <= high, got {aspect_ratio}")
+        if tries < 1:
+            raise ValueError(f"tries must be >= 1, got {tries}")
+        self.num_masked = num_masked
+        self.min_patches = min_patches
+        self.max_patches = num_patches if max_patches is None else max_patches
+        self.log_aspect = (math.log(low), math.log(high))
+        self.tries = tries
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockwiseMaskGenerator(grid=({self.height}, {self.width}), num_masked={self.num_masked}, "
+            f"min_patches={self.min_patches}, max_patches={self.max_patches}, tries={self.tries})"
+        )
+
+    def __call__(self, rng: random.Random | None = None) -> torch.Tensor:
+        """Draws one mask. (h, w) bool, True = masked, exactly `num_masked` True."""
+        return self.sample_blocks(rng)[0]
+
+    def sample_blocks(self, rng: random.Random | None = None) -> tuple[torch.Tensor, list[Block]]:
+        """Draws one mask and the rectangles that made it.
+
+        Args:
+            rng: Source of randomness; None means the global `random` RNG.
+
+        Returns:
+            The (h, w) bool mask and the blocks (top, left, height, width) in the order placed. Blocks
+            may overlap; their union is the mask. The top-up patches come last, each as a 1x1 block.
+        """
+        rng = random if rng is None else rng
+        mask = np.zeros((self.height, self.width), dtype=bool)  # (h, w)
+        blocks: list[Block] = []
+        num_done = 0
+        while num_done < self.num_masked:
+            placed = self._place_block(mask, self.num_masked - num_done, rng)
+            if placed is None:
+                break
+            block, num_new = placed
+            blocks.append(block)
+            num_done += num_new
+        blocks += self._top_up(mask, self.num_masked - num_done, rng)
+        assert int(mask.sum()) == self.num_masked, (int(mask.sum()), self.num_masked)
+        return torch.from_numpy(mask), blocks
+
+    def _place_block(self, mask: np.ndarray, budget: int, rng: random.Random) -> tuple[Block, int] | None:
+        """Masks one block in place; returns it and its number of newly masked patches, or None if all tries fail."""
+        max_area = min(self.max_patches, budget)
+        if max_area < self.min_patches:
+            return None
+        for _ in range(self.tries):
+            area = rng.uniform(self.min_patches, max_area)
+            aspect = math.exp(rng.uniform(*self.log_aspect))
+            height = round(math.sqrt(area * aspect))
+            width = round(math.sqrt(area / aspect))
+            if not self.min_patches <= height * width <= self.max_patches:
+                continue
+            if height > self.height or width > self.width:
+                continue
+            top = rng.randint(0, self.height - height)
+            left = rng.randint(0, self.width - width)
+            window = mask[top : top + height, left : left + width]  # (height, width) view into mask
+            num_new = height * width - int(window.sum())
+            if 0 < num_new <= budget:
+                window[...] = True
+                return (top, left, height, width), num_new
+        return None
+
+    def _top_up(self, mask: np.ndarray, num_missing: int, rng: random.Random) -> list[Block]:
+        """Masks `num_missing` more patches in place, each a random unmasked 4-neighbour of the mask.
+
+        Growing from the mask's border keeps the added patches attached to the blocks; a random
+        unmasked patch is used only when nothing is masked yet.
+        """
+        added: list[Block] = []
+        for _ in range(num_missing):
+            candidates = np.flatnonzero(_frontier(mask))  # flat indices into (h, w)
+            if candidates.size == 0:
+                candidates = np.flatnonzero(~mask)
+            top, left = divmod(int(candidates[rng.randrange(candidates.size)]), self.width)
+            mask[top, left] = True
+            added.append((top, left, 1, 1))
+        return added
+
+
+class RandomMaskGenerator:
+    """Uniform random masking of exactly `round(ratio * h * w)` patches.
+
+    Args:
+        grid: Patch grid (height, width).
+        ratio: Fraction of patches to mask, in [0, 1]; the count is `round(ratio * height * width)`.
+    """
+
+    def __init__(self, grid: tuple[int, int], ratio: float):
+        self.height, self.width = _check_grid(grid)
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        self.ratio = ratio
+        self.num_masked = round(ratio * self.height * self.width)
+
+    def __repr__(self) -> str:
+        return f"RandomMaskGenerator(grid=({self.height}, {self.width}), ratio={self.ratio})"
+
+    def __call__(self, rng: random.Random | None = None) -> torch.Tensor:
+        """Draws one mask. (h, w) bool, True = masked, exactly `num_masked` True.
+
+        Args:
+            rng: Source of randomness; None means the global `random` RNG.
+        """
+        rng = random if rng is None else rng
+        num_patches = self.height * self.width
+        chosen = torch.tensor(rng.sample(range(num_patches), self.num_masked), dtype=torch.long)
+        mask = torch.zeros(num_patches, dtype=torch.bool)  # (h * w,)
+        mask[chosen] = True
+        return mask.view(self.height, self.width)

@@ -1,0 +1,152 @@
+"""BEiT-style masked-patch prediction around a timm VisionTransformer encoder.
+
+The encoder sees every patch; the patches selected by the batch's mask (made in the data workers, see
+data/masking.py) are corrupted before the position embedding is added, and a head predicts each selected patch's
+target (pretrain/targets.py): a discrete class (colour, tokenizer code) with cross-entropy, or pixels with L2.
+The loss covers the selected positions only. The encoder keeps timm's names, so it exports like MAE's; the mask
+token and the head stay behind.
+
+Corruption of the selected patches:
+    mask_token   all become the learnable mask token (BEiT)
+    mixed        80% the mask token, 10% another random patch's embedding from the batch, 10% unchanged (ViT paper)
+
+Shape legend:
+    B: batch    L: patches    D: encoder width    N: selected (masked) patches in the batch
+    K: classes per prediction (0 for regression)    O: predictions per patch (1, 16, or P pixel values)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention, trunc_normal_
+from timm.models import checkpoint_seq
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+# The ViT paper's split of the selected patches: mask token, random other patch, unchanged.
+MIXED_SPLIT = (0.8, 0.1, 0.1)
+
+
+def _check_encoder(encoder: VisionTransformer) -> None:
+    problems = []
+    if not encoder.has_class_token or encoder.num_reg_tokens:
+        problems.append("needs a class token and no register tokens")
+    if encoder.num_classes:
+        problems.append(f"num_classes must be 0, got {encoder.num_classes}")
+    if encoder.pos_embed is None or encoder.no_embed_class or encoder.dynamic_img_size:
+        problems.append("needs a fixed-size learnable pos_embed that covers the class token")
+    if problems:
+        raise ValueError("masked-patch encoder: " + "; ".join(problems))
+
+
+class MaskedPatchPrediction(nn.Module):
+    """Predict a target for every masked patch from an encoder that sees all patches.
+
+    Args:
+        encoder: timm ViT with a class token, no register tokens and no head.
+        target: A module from pretrain/targets.py: maps the batch to per-patch targets and says `num_classes`
+            (0 = regression) and `num_outputs` (predictions per patch).
+        corruption: "mask_token" or "mixed" (see the module docstring).
+        head: "linear", or "mlp" (Linear, GELU, LayerNorm, Linear).
+    """
+
+    def __init__(self, encoder: VisionTransformer, target: nn.Module, *, corruption: str = "mask_token", head="linear"):
+        super().__init__()
+        _check_encoder(encoder)
+        if corruption not in ("mask_token", "mixed"):
+            raise ValueError(f"corruption must be 'mask_token' or 'mixed', got {corruption!r}")
+        if head not in ("linear", "mlp"):
+            raise ValueError(f"head must be 'linear' or 'mlp', got {head!r}")
+        self.encoder, self.target, self.corruption = encoder, target, corruption
+        dim = encoder.embed_dim
+        self.num_classes, self.num_outputs = target.num_classes, target.num_outputs
+        out_dim = self.num_outputs * max(self.num_classes, 1)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
+        if head == "linear":
+            self.head = nn.Linear(dim, out_dim)
+        else:
+            self.head = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, out_dim))
+        trunc_normal_(self.mask_token, std=0.02)
+        for module in self.head.modules():
+            if isinstance(module, nn.Linear):
+                trunc_normal_(module.weight, std=0.02)
+                nn.init.zeros_(module.bias)
+        # timm reads TIMM_FUSED_ATTN at construction; pretraining always uses torch's scaled_dot_product_attention.
+        for module in encoder.modules():
+            if isinstance(module, Attention):
+                module.fused_attn = True
+
+    def no_weight_decay(self) -> set[str]:
+        """Full names kept out of weight decay: position embedding, cls token and mask token."""
+        names = {f"encoder.{name}" for name in self.encoder.no_weight_decay()} | {"mask_token"}
+        return names & {name for name, _ in self.named_parameters()}
+
+    def corrupt(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Replace the selected patch embeddings.
+
+        Args:
+            x: (B, L, D) patch embeddings (before the position embedding).
+            mask: (B, L) bool, True = selected.
+
+        Returns:
+            (B, L, D) corrupted embeddings.
+        """
+        to_token = mask
+        if self.corruption == "mixed":
+            draw = torch.rand(mask.shape, device=x.device)  # (B, L)
+            to_token = mask & (draw < MIXED_SPLIT[0])
+            to_random = mask & (draw >= MIXED_SPLIT[0]) & (draw < MIXED_SPLIT[0] + MIXED_SPLIT[1])
+            flat = x.reshape(-1, x.shape[-1])  # (B * L, D)
+            donors = flat[torch.randint(flat.shape[0], mask.shape, device=x.device)]  # (B, L, D)
+            x = torch.where(to_random.unsqueeze(-1), donors, x)
+        return torch.where(to_token.unsqueeze(-1), self.mask_token.to(x.dtype), x)
+
+    def forward_encoder(self, imgs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) images and (B, L) selection -> (B, 1 + L, D) encoder output over all patches."""
+        enc = self.encoder
+        x = self.corrupt(enc.patch_embed(imgs), mask)  # (B, L, D)
+        x = x + enc.pos_embed[:, enc.num_prefix_tokens :]
+        cls_token = enc.cls_token + enc.pos_embed[:, : enc.num_prefix_tokens]  # (1, 1, D)
+        x = torch.cat([cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, 1 + L, D)
+        x = enc.norm_pre(enc.pos_drop(x))
+        x = checkpoint_seq(enc.blocks, x) if enc.grad_checkpointing else enc.blocks(x)
+        return enc.norm(x)
+
+    def forward_loss(self, pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Loss over the selected patches, in float32.
+
+        Args:
+            pred: (N, O * K) head outputs (O * P values for regression).
+            target: (N,) or (N, O) class indices, or (N, P) values.
+
+        Returns:
+            (loss, accuracy over all N * O predictions; None for regression).
+        """
+        pred = pred.float()
+        if not self.num_classes:
+            return F.mse_loss(pred, target.float()), None
+        logits = pred.reshape(-1, self.num_classes)  # (N * O, K)
+        labels = target.reshape(-1)  # (N * O,)
+        return F.cross_entropy(logits, labels), (logits.argmax(-1) == labels).float().mean()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Corrupt, encode and score one batch.
+
+        Args:
+            batch: "image" (B, C, H, W) normalised images, "mask" (B, gh, gw) bool from the data workers, plus what
+                the target reads (e.g. "tokenizer_image").
+
+        Returns:
+            "loss" (float32 scalar), "mlm_acc" (classification targets), "mask" (B, L) bool, "pred" (N, O * K).
+        """
+        mask = batch["mask"].flatten(1).bool()  # (B, L)
+        with torch.no_grad():
+            target = self.target(batch)[mask]  # (N,) / (N, O) / (N, P)
+        latent = self.forward_encoder(batch["image"], mask)  # (B, 1 + L, D)
+        pred = self.head(latent[:, 1:][mask])  # (N, O * K): the head runs on the selected patches only
+        loss, accuracy = self.forward_loss(pred, target)
+        out = {"loss": loss, "mask": mask, "pred": pred}
+        if accuracy is not None:
+            out["mlm_acc"] = accuracy
+        return out

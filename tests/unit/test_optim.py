@@ -1,0 +1,54 @@
+"""Optimizer parameter groups: weight-decay exclusions and layer-wise lr decay through timm's group matcher."""
+
+import timm
+import torch
+
+from core.config import load_config
+from core.engine.setup import build_optimizer
+from finetune.classification import Classification
+
+
+def _groups_by_name(objective, optimizer) -> dict[str, dict]:
+    """Parameter name -> the param group holding it."""
+    by_id = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    return {name: by_id[id(p)] for name, p in objective.named_parameters()}
+
+
+def _classifier(depth: int = 3) -> Classification:
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        img_size=16,
+        patch_size=4,
+        embed_dim=32,
+        depth=depth,
+        num_heads=2,
+        num_classes=5,
+        global_pool="avg",
+    )
+    return Classification(model)
+
+
+def test_layer_decay_scales_lr_by_depth():
+    objective = _classifier(depth=3)
+    cfg = load_config(None, ["stage=finetune", "optim.layer_decay=0.5", "optim.weight_decay=0.1"])
+    groups = _groups_by_name(objective, build_optimizer(objective, cfg, torch.device("cpu")))
+    # 3 blocks: embeddings are layer 0, block i is layer i + 1, final norm and head the top layer 4 (scale 1).
+    assert groups["model.pos_embed"]["lr_scale"] == 0.5**4
+    assert groups["model.patch_embed.proj.weight"]["lr_scale"] == 0.5**4
+    for i in range(3):
+        assert groups[f"model.blocks.{i}.attn.qkv.weight"]["lr_scale"] == 0.5 ** (3 - i)
+    assert groups["model.fc_norm.weight"]["lr_scale"] == 1.0
+    assert groups["model.head.weight"]["lr_scale"] == 1.0
+    # weight decay: none on 1-d tensors and timm's no_weight_decay names, the recipe's value elsewhere
+    assert groups["model.pos_embed"]["weight_decay"] == 0.0
+    assert groups["model.blocks.0.attn.qkv.bias"]["weight_decay"] == 0.0
+    assert groups["model.blocks.0.attn.qkv.weight"]["weight_decay"] == 0.1
+    assert groups["model.head.weight"]["weight_decay"] == 0.1
+
+
+def test_no_layer_decay_means_one_lr():
+    objective = _classifier()
+    cfg = load_config(None, ["stage=finetune"])
+    optimizer = build_optimizer(objective, cfg, torch.device("cpu"))
+    assert all(g.get("lr_scale", 1.0) == 1.0 for g in optimizer.param_groups)
+    assert len(optimizer.param_groups) == 2  # decay and no-decay
