@@ -181,8 +181,11 @@ def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> None:
     import torch
     from timm.optim import param_groups_weight_decay
 
+    from core.engine.setup import set_attention
+
     torch.manual_seed(0)
     objective = build_mae(cfg)
+    set_attention(objective, cfg.engine.attention, torch.device("cpu"))  # the kernel the engine picks
     skip = objective.no_weight_decay()
     groups = param_groups_weight_decay(objective, weight_decay=cfg.optim.weight_decay, no_weight_decay_list=skip)
     fused, foreach = OPTIMIZERS[spec["optimizer"]]

@@ -231,6 +231,9 @@ class EngineConfig(Section):
     max_consecutive_nonfinite: int = Field(10, gt=0)
     """Stop after this many optimizer steps in a row skipped for a non-finite loss."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    attention: Literal["auto", "sdpa", "math"] = "auto"
+    """sdpa: torch's fused scaled_dot_product_attention; math: timm's explicit matmul-softmax attention; auto: sdpa
+    on CUDA, math on CPU, where torch's fused kernel is measured 2-3x slower in bf16 (`make bench`)."""
     fp16_initial_scale_power: int = Field(16, ge=0, le=32)
 
 

@@ -74,7 +74,15 @@ class MetricsLogger:
             self._jsonl.close()
 
 
-_CONSOLE_KEYS = ("train/loss", "train/lr", "perf/images_per_sec", "train/acc1", "train/skipped_steps")
+_CONSOLE_KEYS = (
+    "train/loss",
+    "train/lr",
+    "perf/images_per_sec",
+    "train/acc1",
+    "train/mlm_acc",
+    "train/codes_used",
+    "train/skipped_steps",
+)
 
 
 def _clock(seconds: float) -> str:

@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torchvision.transforms.functional as TF
 from PIL import Image
-
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torchvision import transforms as T
 

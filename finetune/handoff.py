@@ -59,6 +59,9 @@ class LoadReport:
             ("dropped", len(self.dropped), _summarise(self.dropped)),
             ("initialised", len(self.initialised), _summarise(self.initialised)),
         ]
+        left = self.manifest.get("not_exported") or []
+        if left:  # the objective's own tensors (decoder, mask token, prediction head): never part of the export
+            sections.append(("left at pretraining", len(left), _summarise(left)))
         for name, count, items in sections:
             lines.append(f"  {name} ({count}): {', '.join(items) if items else '-'}")
         return "\n".join(lines)

@@ -25,8 +25,8 @@ from data.pipeline import make_eval_loader, resolve_shards
 from data.transforms import eval_transform
 from pretrain.export import main as export_main
 from pretrain.export import pretrain_manifest
-from pretrain.train_tokenizer import train_tokenizer
 from pretrain.objectives import PICTURES, build_objective, train_transform, visualize
+from pretrain.train_tokenizer import train_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     # Export the encoder (consolidated from every ZeRO stage) in timm's layout.
     state_dict = gather_state_dict(engine, engine.module.encoder, dist)
     if dist.is_main and cfg.checkpoint.export_at_end:
-        manifest = pretrain_manifest(cfg, step=run.state.step, source=run.recipe)
+        manifest = pretrain_manifest(
+            cfg, step=run.state.step, source=run.recipe, objective_keys=engine.module.state_dict()
+        )
         out = export_state_dict(cfg, state_dict, run.run_dir / "export", num_classes=0, manifest=manifest)
         run.logger.console(
             f"[mimpipe] encoder exported to {out} (timm.create_model('local-dir:{out}', pretrained=True))"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Attention, trunc_normal_
+from timm.layers import trunc_normal_
 from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -66,16 +66,14 @@ class MaskedPatchPrediction(nn.Module):
         if head == "linear":
             self.head = nn.Linear(dim, out_dim)
         else:
-            self.head = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, out_dim))
+            self.head = nn.Sequential(
+                nn.Linear(dim, dim), nn.GELU(), nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, out_dim)
+            )
         trunc_normal_(self.mask_token, std=0.02)
         for module in self.head.modules():
             if isinstance(module, nn.Linear):
                 trunc_normal_(module.weight, std=0.02)
                 nn.init.zeros_(module.bias)
-        # timm reads TIMM_FUSED_ATTN at construction; pretraining always uses torch's scaled_dot_product_attention.
-        for module in encoder.modules():
-            if isinstance(module, Attention):
-                module.fused_attn = True
 
     def no_weight_decay(self) -> set[str]:
         """Full names kept out of weight decay: position embedding, cls token and mask token."""

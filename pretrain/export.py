@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -25,9 +26,11 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int) -> dict[s
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
 
 
-def pretrain_manifest(cfg: Config, *, step: int, source: str) -> dict:
-    """What `mimpipe.json` says about a pretrained encoder (fine-tuning reads `pooling_hint`)."""
+def pretrain_manifest(cfg: Config, *, step: int, source: str, objective_keys: Iterable[str]) -> dict:
+    """What `mimpipe.json` says about a pretrained encoder (fine-tuning reads `pooling_hint` and reports
+    `not_exported`: the objective's own tensors, e.g. MAE's decoder or BEiT's mask token and head)."""
     return {
+        "not_exported": sorted(k for k in objective_keys if not k.startswith("encoder.")),
         "method": cfg.objective.kind,
         "step": step,
         "source": source,
@@ -56,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(ckpt_dir / tag / "config.yaml")
     state = consolidated_state_dict(ckpt_dir, tag, cfg.engine.zero_stage)
     encoder = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
-    manifest = pretrain_manifest(cfg, step=int(tag.removeprefix("step_")), source=str(ckpt_dir / tag))
+    manifest = pretrain_manifest(
+        cfg, step=int(tag.removeprefix("step_")), source=str(ckpt_dir / tag), objective_keys=state
+    )
     out = export_state_dict(cfg, encoder, args.out or args.run_dir / "export", num_classes=0, manifest=manifest)
     print(f"exported {len(encoder)} encoder tensors from {ckpt_dir / tag} to {out}")
     return 0

@@ -15,7 +15,6 @@ from functools import partial
 
 import torch
 import torchvision
-from timm.layers import Attention
 from timm.models import checkpoint_seq
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
@@ -133,10 +132,6 @@ class MAE(nn.Module):
         self.decoder_norm = norm_layer(decoder_embed_dim)
         self.decoder_pred = nn.Linear(decoder_embed_dim, self.patch_size[0] * self.patch_size[1] * in_chans)
         self._init_weights()
-        # timm reads TIMM_FUSED_ATTN at construction; pretraining always uses torch's scaled_dot_product_attention.
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.fused_attn = True
 
     @torch.no_grad()
     def _init_weights(self) -> None:

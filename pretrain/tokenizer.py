@@ -1,32 +1,26 @@
 """Discrete image tokenizer: a VQ-VAE whose code indices are the targets of BEiT-style masked image modelling.
 
-BEiT predicts, for each masked patch, the index of the code a frozen tokenizer gives that patch. With
-`downsample` equal to the ViT patch size the tokenizer's code grid is the ViT's patch grid, so `encode(images)`
-is directly the (B, h, w) target tensor.
+BEiT predicts, for each masked patch, the index of the code a frozen tokenizer gives that patch; with `downsample`
+equal to the ViT patch size, `encode(images)` is directly the (B, h, w) target tensor.
 
-Why a VQ-VAE with EMA codebook updates and dead-code restarts (rather than BEiT's dVAE):
-  * codes are a deterministic nearest-neighbour argmin, so there is no Gumbel temperature to anneal and no KL
-    weight to schedule (a dVAE needs both, and their schedules interact with the learning rate);
-  * the codebook follows an exponential moving average of the encoder vectors assigned to each code (k-means
-    style) instead of being trained by the optimizer, which is stabler and needs no codebook loss;
-  * codes whose EMA usage drops below `dead_code_threshold` are re-seeded next to the most-used codes, which keeps
-    codebook usage, and so the information in the targets, high.
+Why a VQ-VAE with EMA codebook updates and dead-code restarts rather than BEiT's dVAE: codes are a deterministic
+argmin, so there is no Gumbel temperature to anneal and no KL weight to schedule (a dVAE needs both); the codebook
+follows an exponential moving average of the encoder vectors assigned to each code (k-means style) instead of the
+optimizer, which is stable and needs no codebook loss; and codes whose EMA usage drops below `dead_code_threshold`
+are re-seeded next to the most-used codes, which keeps codebook usage (the information in the targets) high.
 
-Distributed training: the quantizer never talks to other ranks itself. The training entry point sets
-`quantizer.reduce` to a function summing a tensor over data-parallel ranks; each training forward passes its
-per-code statistics through it once, so every rank applies the same EMA update and the same restarts (the restart
-noise comes from a generator seeded by the update counter) and the codebooks stay identical without broadcasts.
+Distributed training: the entry point sets `quantizer.reduce` to a sum over data-parallel ranks; each training
+forward passes its per-code statistics through it, so every rank applies the same EMA update and the same restarts
+(their noise is seeded by the update counter) and the codebooks stay identical with no other communication.
 
 Shape legend:
     B: batch    H, W: image height, width    h, w: code grid (H / downsample, W / downsample)
-    D: code dim    C: hidden channels    K: codebook size    N: B * h * w encoder vectors
+    D: code dim    K: codebook size    N: B * h * w encoder vectors
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
 import secrets
 import shutil
 from collections.abc import Callable, Sequence
@@ -38,7 +32,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from core.engine.export import _check_replaceable, _swap_in
+from core.engine.export import check_replaceable, fsync_path, swap_in
 
 MANIFEST_NAME = "mimpipe.json"
 WEIGHTS_NAME = "tokenizer.safetensors"
@@ -48,6 +42,7 @@ _INIT_SEED = 0  # the initial codebook is the same on every rank whatever the gl
 _INIT_STD = 0.1  # small next to the encoder's output scale, so first assignments follow the direction of z
 _RESTART_SEED = 1_000_003  # restart noise generator seed = this + update counter
 _RESTART_NOISE = 0.01  # restart jitter, in units of the batch's per-dimension std of z
+_RESTART_COUNT_FACTOR = 2.0  # a restarted code's EMA count, in units of dead_code_threshold
 
 
 class VectorQuantizerEMA(nn.Module):
@@ -56,6 +51,14 @@ class VectorQuantizerEMA(nn.Module):
     Buffers (all fp32 except the counter; casting the module to bf16/fp16 leaves them fp32, see `_apply`):
         codebook (K, D), ema_count (K,) EMA of per-code assignment counts (starts at 1), ema_sum (K, D) EMA of
         per-code sums of assigned vectors (starts at codebook * ema_count), num_updates () int64 update counter.
+
+    Args:
+        codebook_size: Number of codes K (the tokenizer's vocabulary).
+        code_dim: Code vector dimension D.
+        decay: EMA decay of the per-code statistics, in [0, 1).
+        eps: Laplace smoothing of the EMA counts (keeps a code with a vanishing count finite).
+        dead_code_threshold: A code whose EMA count (assignments per global batch) falls below this is restarted;
+            0 disables restarts.
 
     Attributes:
         reduce: None, or a function that sums a tensor over all data-parallel ranks in place and returns it. Set by
@@ -71,19 +74,11 @@ class VectorQuantizerEMA(nn.Module):
         eps: float = 1e-5,
         dead_code_threshold: float = 1.0,
     ):
-        """Args:
-        codebook_size: Number of codes K (the tokenizer's vocabulary).
-        code_dim: Code vector dimension D.
-        decay: EMA decay of the per-code statistics, in [0, 1).
-        eps: Laplace smoothing of the EMA counts (keeps a code with a vanishing count finite).
-        dead_code_threshold: A code whose EMA count (assignments per global batch) falls below this is restarted;
-            0 disables restarts.
-        """
         super().__init__()
-        if codebook_size < 2 or code_dim < 1:
-            raise ValueError(f"need codebook_size >= 2 and code_dim >= 1, got {codebook_size} and {code_dim}")
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if codebook_size < 2 or code_dim < 1 or not 0.0 <= decay < 1.0:
+            raise ValueError(
+                f"need codebook_size >= 2, code_dim >= 1, 0 <= decay < 1: got {codebook_size, code_dim, decay}"
+            )
         self.codebook_size, self.code_dim = codebook_size, code_dim
         self.decay, self.eps, self.dead_code_threshold = decay, eps, dead_code_threshold
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -100,17 +95,15 @@ class VectorQuantizerEMA(nn.Module):
         kept = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
         super()._apply(fn, recurse)
         for name, old in kept.items():
-            new = self._buffers[name]
-            if new is not None and new.dtype != old.dtype:
-                self._buffers[name] = old.to(device=new.device)
+            if self._buffers[name].dtype != old.dtype:
+                self._buffers[name] = old.to(device=self._buffers[name].device)
         return self
 
     def _nearest(self, flat: torch.Tensor) -> torch.Tensor:
         """(N, D) fp32 -> (N,) index of the nearest code in squared Euclidean distance."""
         codebook = self.codebook.float()
         # ||z - c||^2 = ||z||^2 - 2 z.c + ||c||^2; ||z||^2 is the same for every code, so it is left out.
-        dist = torch.addmm(codebook.pow(2).sum(dim=1), flat, codebook.t(), alpha=-2.0)  # (N, K)
-        return dist.argmin(dim=1)
+        return torch.addmm(codebook.pow(2).sum(dim=1), flat, codebook.t(), alpha=-2.0).argmin(dim=1)  # (N, K) -> (N,)
 
     def quantize(self, z: torch.Tensor) -> torch.Tensor:
         """Codes only: (B, D, h, w) -> (B, h, w) long. No gradient, no update, whatever `self.training` is."""
@@ -130,13 +123,12 @@ class VectorQuantizerEMA(nn.Module):
             z: (B, D, h, w) encoder output, any float dtype.
 
         Returns:
-            z_q: (B, D, h, w) fp32 straight-through code vectors (forward: the codes before this step's update;
-                backward: identity to `z`).
+            z_q: (B, D, h, w) in z's dtype: codes from before this step's update, straight-through (identity grad).
             codes: (B, h, w) long code indices.
-            stats: "commit_loss" fp32 scalar MSE(z, sg(z_q)) with gradient to z; "perplexity" and "codes_used"
-                (fraction of the codebook hit) of this batch's code histogram, summed over ranks when training.
+            stats: "commit_loss" fp32 MSE(z, sg(z_q)) with gradient; "perplexity" and "codes_used" (fraction of the
+                codebook hit) of the batch's code histogram, summed over ranks when training.
         """
-        b, d, h, w = z.shape
+        (b, d, h, w), in_dtype = z.shape, z.dtype
         with torch.autocast(device_type=z.device.type, enabled=False):
             z = z.float()
             flat = z.detach().permute(0, 2, 3, 1).reshape(-1, d)  # (N, D)
@@ -148,14 +140,16 @@ class VectorQuantizerEMA(nn.Module):
                 if self.reduce is not None:
                     batch_stats = self.reduce(batch_stats)
                 self._update(batch_stats)
-            z_q = z + (z_q - z).detach()
-        stats = {"commit_loss": commit_loss, **_usage(batch_stats[:, d])}
+            z_q = (z + (z_q - z).detach()).to(in_dtype)  # a bf16 module (DeepSpeed bf16) decodes bf16
+        counts = batch_stats[:, d]  # (K,) this batch's code histogram, over all ranks when training
+        probs = counts / counts.sum()
+        perplexity = torch.special.xlogy(probs, probs).sum().neg().exp()  # exp(entropy)
+        stats = {"commit_loss": commit_loss, "perplexity": perplexity, "codes_used": (counts > 0).float().mean()}
         return z_q, codes.view(b, h, w), stats
 
     def _batch_stats(self, flat: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Per-code [sum of assigned z (D), count, sum of ||z||^2] packed in one (K, D + 2) tensor (one reduce)."""
-        ones = torch.ones_like(flat[:, :1])  # (N, 1)
-        rows = torch.cat([flat, ones, flat.pow(2).sum(dim=1, keepdim=True)], dim=1)  # (N, D + 2)
+        rows = torch.cat([flat, torch.ones_like(flat[:, :1]), flat.pow(2).sum(dim=1, keepdim=True)], dim=1)  # (N, D+2)
         return rows.new_zeros(self.codebook_size, self.code_dim + 2).index_add_(0, codes, rows)
 
     @torch.no_grad()
@@ -168,18 +162,22 @@ class VectorQuantizerEMA(nn.Module):
         total = self.ema_count.sum()
         smoothed = (self.ema_count + self.eps) / (total + self.codebook_size * self.eps) * total  # (K,)
         self.codebook.copy_(self.ema_sum / smoothed[:, None])
-        num_vectors = counts.sum().clamp_min(1.0)
-        data_var = batch_stats[:, d + 1].sum() / num_vectors - (sums.sum(dim=0) / num_vectors).pow(2).sum()
-        self._restart_dead_codes(noise_std=_RESTART_NOISE * (data_var.clamp_min(0.0) / d).sqrt())
+        if self.dead_code_threshold > 0:
+            self._restart_dead_codes(batch_stats)
         self.num_updates.add_(1)
 
-    def _restart_dead_codes(self, noise_std: torch.Tensor) -> None:
+    def _restart_dead_codes(self, batch_stats: torch.Tensor) -> None:
         """Move every code with EMA count < threshold next to a most-used code (no host sync besides the seed).
 
-        The i-th dead code (in index order) copies the (i mod num_live)-th most-used live code plus Gaussian noise
-        of std `noise_std`, and takes over that code's EMA count (so it has as long as that code's statistics
-        need to decay before it can be declared dead again), with ema_sum = new code * count.
+        The i-th dead code copies the (i mod num_live)-th most-used live code plus Gaussian noise (std 0.01 x the
+        batch's per-dimension std of z). Its EMA count becomes 2 x threshold (ema_sum = code * count): unused, it is
+        dead again after ln(2) / (1 - decay) updates; used, the small count lets it move quickly off its source.
         """
+        d = self.code_dim
+        sums, counts = batch_stats[:, :d], batch_stats[:, d]  # (K, D), (K,)
+        num_vectors = counts.sum().clamp_min(1.0)
+        data_var = batch_stats[:, d + 1].sum() / num_vectors - (sums.sum(dim=0) / num_vectors).pow(2).sum()
+        noise_std = _RESTART_NOISE * (data_var.clamp_min(0.0) / d).sqrt()
         dead = self.ema_count < self.dead_code_threshold  # (K,)
         order = torch.argsort(self.ema_count, descending=True, stable=True)  # (K,) live codes come first
         num_live = (~dead).sum().clamp_min(1)
@@ -190,15 +188,8 @@ class VectorQuantizerEMA(nn.Module):
         noise = torch.randn(self.codebook.shape, generator=generator, device=self.codebook.device)  # (K, D)
         restarted = self.codebook[source] + noise_std * noise  # (K, D)
         self.codebook.copy_(torch.where(dead[:, None], restarted, self.codebook))
-        self.ema_count.copy_(torch.where(dead, self.ema_count[source], self.ema_count))
+        self.ema_count.masked_fill_(dead, _RESTART_COUNT_FACTOR * self.dead_code_threshold)
         self.ema_sum.copy_(torch.where(dead[:, None], self.codebook * self.ema_count[:, None], self.ema_sum))
-
-
-def _usage(counts: torch.Tensor) -> dict[str, torch.Tensor]:
-    """(K,) code histogram -> perplexity exp(H(p)) and fraction of codes used."""
-    probs = counts / counts.sum().clamp_min(1.0)
-    entropy = -torch.special.xlogy(probs, probs).sum()
-    return {"perplexity": entropy.exp(), "codes_used": (counts > 0).float().mean()}
 
 
 class _ResBlock(nn.Module):
@@ -213,8 +204,41 @@ class _ResBlock(nn.Module):
         return x + self.conv2(F.relu(self.conv1(F.relu(x))))
 
 
+def _conv_encoder(num_halvings: int, hidden_dim: int, code_dim: int) -> nn.Sequential:
+    """(B, 3, H, W) -> (B, D, h, w): k4 s2 convs halving the resolution, two residual blocks, 1x1 to code_dim."""
+    down = [nn.Conv2d(3 if i == 0 else hidden_dim, hidden_dim, 4, stride=2, padding=1) for i in range(num_halvings)]
+    return nn.Sequential(
+        *[layer for conv in down for layer in (conv, nn.ReLU())],
+        *[_ResBlock(hidden_dim) for _ in range(2)],
+        nn.ReLU(),
+        nn.Conv2d(hidden_dim, code_dim, 1),
+    )
+
+
+def _conv_decoder(num_halvings: int, hidden_dim: int, code_dim: int) -> nn.Sequential:
+    """(B, D, h, w) -> (B, 3, H, W): the encoder mirrored with k4 s2 transposed convs; no output activation."""
+    up = [nn.ConvTranspose2d(hidden_dim, hidden_dim, 4, stride=2, padding=1) for _ in range(num_halvings - 1)]
+    return nn.Sequential(
+        nn.Conv2d(code_dim, hidden_dim, 3, padding=1),
+        *[_ResBlock(hidden_dim) for _ in range(2)],
+        nn.ReLU(),
+        *[layer for conv in up for layer in (conv, nn.ReLU())],
+        nn.ConvTranspose2d(hidden_dim, 3, 4, stride=2, padding=1),
+    )
+
+
 class VQVAE(nn.Module):
     """Convolutional VQ-VAE tokenizer: (B, 3, H, W) normalised images <-> (B, h, w) codes.
+
+    Args:
+        img_size: Image side, or (H, W); both divisible by `downsample`.
+        downsample: Image pixels per code along each side; a power of two >= 2 (the ViT patch size for BEiT).
+        codebook_size: Number of codes (the BEiT target vocabulary).
+        code_dim: Code vector dimension.
+        hidden_dim: Channels of the convolutional encoder and decoder.
+        commitment: Weight of the commitment loss MSE(z, sg(z_q)).
+        ema_decay: EMA decay of the codebook statistics.
+        dead_code_threshold: EMA count below which a code is restarted.
 
     Attributes:
         grid: (h, w) code grid.
@@ -234,19 +258,9 @@ class VQVAE(nn.Module):
         ema_decay: float = 0.99,
         dead_code_threshold: float = 1.0,
     ):
-        """Args:
-        img_size: Image side, or (H, W); both divisible by `downsample`.
-        downsample: Image pixels per code along each side; a power of two >= 2 (the ViT patch size for BEiT).
-        codebook_size: Number of codes (the BEiT target vocabulary).
-        code_dim: Code vector dimension.
-        hidden_dim: Channels of the convolutional encoder and decoder.
-        commitment: Weight of the commitment loss MSE(z, sg(z_q)).
-        ema_decay: EMA decay of the codebook statistics.
-        dead_code_threshold: EMA count below which a code is restarted.
-        """
         super().__init__()
         height, width = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-        if downsample < 2 or downsample & (downsample - 1):
+        if not isinstance(downsample, int) or downsample < 2 or downsample & (downsample - 1):
             raise ValueError(f"downsample must be a power of two >= 2, got {downsample}")
         if height % downsample or width % downsample:
             raise ValueError(f"img_size {(height, width)} is not divisible by downsample {downsample}")
@@ -262,32 +276,17 @@ class VQVAE(nn.Module):
             ema_decay=ema_decay,
             dead_code_threshold=dead_code_threshold,
         )
-        num_halvings = int(math.log2(downsample))
-        down = [nn.Conv2d(3 if i == 0 else hidden_dim, hidden_dim, 4, stride=2, padding=1) for i in range(num_halvings)]
-        self.encoder = nn.Sequential(
-            *[layer for conv in down for layer in (conv, nn.ReLU())],
-            _ResBlock(hidden_dim),
-            _ResBlock(hidden_dim),
-            nn.ReLU(),
-            nn.Conv2d(hidden_dim, code_dim, 1),
-        )
+        num_halvings = downsample.bit_length() - 1  # log2
+        self.encoder = _conv_encoder(num_halvings, hidden_dim, code_dim)
         self.quantizer = VectorQuantizerEMA(
             codebook_size, code_dim, decay=ema_decay, dead_code_threshold=dead_code_threshold
         )
-        up = [nn.ConvTranspose2d(hidden_dim, hidden_dim, 4, stride=2, padding=1) for _ in range(num_halvings - 1)]
-        self.decoder = nn.Sequential(
-            nn.Conv2d(code_dim, hidden_dim, 3, padding=1),
-            _ResBlock(hidden_dim),
-            _ResBlock(hidden_dim),
-            nn.ReLU(),
-            *[layer for conv in up for layer in (conv, nn.ReLU())],
-            nn.ConvTranspose2d(hidden_dim, 3, 4, stride=2, padding=1),
-        )
+        self.decoder = _conv_decoder(num_halvings, hidden_dim, code_dim)
 
     def _check_images(self, images: torch.Tensor) -> None:
-        expected = (3, *self.img_size)
-        if images.ndim != 4 or tuple(images.shape[1:]) != expected:
-            raise ValueError(f"tokenizer expects images of shape (B, {', '.join(map(str, expected))}), got {tuple(images.shape)}")
+        height, width = self.img_size
+        if images.ndim != 4 or tuple(images.shape[1:]) != (3, height, width):
+            raise ValueError(f"tokenizer expects images of shape (B, 3, {height}, {width}), got {tuple(images.shape)}")
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
@@ -297,7 +296,7 @@ class VQVAE(nn.Module):
 
     def decode_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, h, w) codes -> (B, 3, H, W) reconstruction in normalised-image space."""
-        return self.decoder(self.quantizer.embed(codes))
+        return self.decoder(self.quantizer.embed(codes).to(self.decoder[0].weight.dtype))
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Reconstruction objective; in training mode the quantizer also updates its codebook.
@@ -320,7 +319,7 @@ class VQVAE(nn.Module):
 
 
 def export_tokenizer(model: VQVAE, out_dir: str | Path, *, manifest: dict) -> Path:
-    """Write `model` as a tokenizer folder, atomically replacing an earlier export.
+    """Write `model` as a tokenizer folder `out_dir` (returned), atomically replacing an earlier export.
 
     The folder holds `tokenizer.safetensors` (the state dict; floating tensors as fp32, the update counter as int64)
     and `mimpipe.json` = {**manifest, "kind": "vqvae", "tokenizer": model.config, "vocab_size", "grid"}.
@@ -330,27 +329,17 @@ def export_tokenizer(model: VQVAE, out_dir: str | Path, *, manifest: dict) -> Pa
         out_dir: Export folder; created, or replaced if it already holds a mimpipe export.
         manifest: JSON-serialisable facts about the run (step, recipe, data, mean/std, ...).
 
-    Returns:
-        `out_dir`.
-
     Raises:
         ValueError: `out_dir` is a non-empty folder that is not a mimpipe export.
         TypeError: `manifest` is not JSON-serialisable.
     """
     out_dir = Path(out_dir)
-    _check_replaceable(out_dir)
-    full_manifest = {
-        **manifest,
-        "kind": KIND,
-        "tokenizer": model.config,
-        "vocab_size": model.config["codebook_size"],
-        "grid": list(model.grid),
-    }
+    check_replaceable(out_dir)
+    config, grid = model.config, list(model.grid)
+    full_manifest = {**manifest, "kind": KIND, "tokenizer": config, "vocab_size": config["codebook_size"], "grid": grid}
     manifest_text = json.dumps(full_manifest, indent=2) + "\n"  # fails before anything is written
-    tensors = {
-        k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype, copy=True).contiguous()
-        for k, v in model.state_dict().items()
-    }
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}  # the counter stays int64
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
     tmp_dir.mkdir()
@@ -358,8 +347,8 @@ def export_tokenizer(model: VQVAE, out_dir: str | Path, *, manifest: dict) -> Pa
         safetensors.torch.save_file(tensors, tmp_dir / WEIGHTS_NAME, metadata={"format": "pt"})
         (tmp_dir / MANIFEST_NAME).write_text(manifest_text)
         for path in (tmp_dir / WEIGHTS_NAME, tmp_dir / MANIFEST_NAME, tmp_dir):
-            _fsync(path)
-        _swap_in(tmp_dir, out_dir)
+            fsync_path(path)
+        swap_in(tmp_dir, out_dir)
     finally:
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir)
@@ -367,13 +356,10 @@ def export_tokenizer(model: VQVAE, out_dir: str | Path, *, manifest: dict) -> Pa
 
 
 def load_tokenizer(path: str | Path) -> VQVAE:
-    """Rebuild an exported tokenizer, frozen and in eval mode.
+    """Rebuild an exported tokenizer on CPU, frozen (requires_grad False) and in eval mode.
 
     Args:
         path: Folder written by `export_tokenizer`.
-
-    Returns:
-        The VQVAE on CPU with requires_grad False everywhere.
 
     Raises:
         ValueError: The folder has no readable mimpipe.json, or it is not a "vqvae" export.
@@ -393,35 +379,21 @@ def load_tokenizer(path: str | Path) -> VQVAE:
 
 
 def tokenizer_grid(
-    images: torch.Tensor,
-    recon: torch.Tensor,
-    mean: Sequence[float],
-    std: Sequence[float],
-    max_images: int = 8,
+    images: torch.Tensor, recon: torch.Tensor, mean: Sequence[float], std: Sequence[float], max_images: int = 8
 ) -> torch.Tensor:
     """Picture for TensorBoard's `add_image`: originals on the top row, reconstructions below.
 
     Args:
         images: (B, 3, H, W) images normalised with `mean`/`std`.
         recon: (B, 3, H, W) reconstructions, same space.
-        mean: Per-channel normalisation mean.
-        std: Per-channel normalisation std.
+        mean, std: Per-channel normalisation mean and std.
         max_images: Columns to draw at most.
 
     Returns:
         (3, H', W') float CPU tensor in [0, 1].
     """
     n = min(max_images, images.shape[0])
-    mean_t = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
-    std_t = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+    mean_t, std_t = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) for v in (mean, std))
     panels = torch.cat([images[:n], recon[:n]]).detach().float().cpu()  # (2n, 3, H, W)
     panels = (panels * std_t + mean_t).clamp(0.0, 1.0)
     return torchvision.utils.make_grid(panels, nrow=n, padding=2, pad_value=1.0)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -11,8 +11,15 @@ import torch
 from core.config import Config, VQVAEObjective
 from core.engine.distributed import all_reduce
 from core.engine.loop import autocast_context, to_device
-from core.engine.stage import StageRun, finish_stage, gather_state_dict, run_loop, seed_everything, start_engine
-from core.engine.stage import train_stream
+from core.engine.stage import (
+    StageRun,
+    finish_stage,
+    gather_state_dict,
+    run_loop,
+    seed_everything,
+    start_engine,
+    train_stream,
+)
 from data.pipeline import make_eval_loader, resolve_shards
 from data.transforms import eval_transform, pretrain_transform
 from pretrain.tokenizer import VQVAE, export_tokenizer, tokenizer_grid

@@ -64,7 +64,7 @@ def export_model(
             reserved key, a data_config key is unknown, or the written config does not rebuild `model`.
     """
     out_dir = Path(out_dir)
-    _check_replaceable(out_dir)
+    check_replaceable(out_dir)
     tensors = _detached_state_dict(model)
     full_manifest = _complete_manifest(manifest, tensors)
     overlay = _pretrained_cfg_overlay(data_config)
@@ -79,16 +79,16 @@ def export_model(
         (tmp_dir / MANIFEST_NAME).write_text(json.dumps(full_manifest, indent=2) + "\n")
         _check_rebuilds(model, tmp_dir, tensors)
         for name in (WEIGHTS_NAME, CONFIG_NAME, MANIFEST_NAME):
-            _fsync(tmp_dir / name)
-        _fsync(tmp_dir)
-        _swap_in(tmp_dir, out_dir)
+            fsync_path(tmp_dir / name)
+        fsync_path(tmp_dir)
+        swap_in(tmp_dir, out_dir)
     finally:
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir)
     return out_dir
 
 
-def _check_replaceable(out_dir: Path) -> None:
+def check_replaceable(out_dir: Path) -> None:
     """Refuse to replace anything but an empty folder or an earlier export (a run dir passed by mistake)."""
     if not out_dir.exists():
         return
@@ -152,7 +152,7 @@ def _check_rebuilds(model: VisionTransformer, export_dir: Path, tensors: dict[st
         raise ValueError("model_args do not rebuild the exported model:\n  " + "\n  ".join(problems))
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -160,7 +160,7 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _swap_in(tmp_dir: Path, out_dir: Path) -> None:
+def swap_in(tmp_dir: Path, out_dir: Path) -> None:
     """Rename the finished export into place; an existing export is moved aside first and removed after."""
     if not out_dir.exists():
         os.replace(tmp_dir, out_dir)
@@ -173,4 +173,4 @@ def _swap_in(tmp_dir: Path, out_dir: Path) -> None:
             os.replace(old_dir, out_dir)
             raise
         shutil.rmtree(old_dir)
-    _fsync(out_dir.parent)
+    fsync_path(out_dir.parent)

@@ -19,7 +19,7 @@ from core.engine.checkpoint import find_resume, load_checkpoint
 from core.engine.distributed import DistInfo, init_distributed, shutdown
 from core.engine.export import export_model
 from core.engine.loop import NonFiniteLossError, TrainState, train
-from core.engine.setup import parallelize
+from core.engine.setup import parallelize, resolve_attention
 from core.logging import MetricsLogger
 from core.models import build_vit, vit_model_args
 from data.pipeline import dataset_size, make_train_loader, resolve_shards
@@ -152,7 +152,7 @@ def launch_plan(cfg: Config, dist: DistInfo, *, total_steps: int, warmup_steps: 
     return (
         f"[mimpipe] stage {cfg.stage} | objective {cfg.objective.kind} | run_dir {cfg.run_dir}\n"
         f"[mimpipe] world size {dist.world_size} on {dist.device.type} | ZeRO-{cfg.engine.zero_stage} | "
-        f"precision {cfg.engine.precision}\n"
+        f"precision {cfg.engine.precision} | attention {resolve_attention(cfg.engine.attention, dist.device)}\n"
         f"[mimpipe] global batch {cfg.data.global_batch_size} = {per_device} per device x "
         f"{cfg.engine.grad_accum_steps} accumulation x {dist.world_size} ranks\n"
         f"[mimpipe] lr {cfg.peak_lr:.4g} ({rule}), min {cfg.optim.min_lr:g}, warmup {warmup_steps} of "

@@ -129,14 +129,12 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
 
 def test_init_and_no_weight_decay():
     encoder = tiny_encoder()
-    encoder.blocks[0].attn.fused_attn = False
     mae = MAE(encoder, **DECODER)
     torch.testing.assert_close(mae.encoder.pos_embed.data, sincos_pos_embed_2d(64, (7, 7)))
     torch.testing.assert_close(mae.decoder_pos_embed, sincos_pos_embed_2d(32, (7, 7)))
     assert "decoder_pos_embed" not in mae.state_dict()
     linears = [m for m in mae.modules() if isinstance(m, torch.nn.Linear)]
     assert all(torch.count_nonzero(m.bias) == 0 for m in linears)
-    assert all(m.fused_attn for m in mae.modules() if hasattr(m, "fused_attn"))
     assert mae.no_weight_decay() == {"encoder.pos_embed", "encoder.cls_token", "mask_token"}
 
 

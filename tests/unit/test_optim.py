@@ -4,7 +4,7 @@ import timm
 import torch
 
 from core.config import load_config
-from core.engine.setup import build_optimizer
+from core.engine.setup import build_optimizer, set_attention
 from finetune.classification import Classification
 
 
@@ -52,3 +52,15 @@ def test_no_layer_decay_means_one_lr():
     optimizer = build_optimizer(objective, cfg, torch.device("cpu"))
     assert all(g.get("lr_scale", 1.0) == 1.0 for g in optimizer.param_groups)
     assert len(optimizer.param_groups) == 2  # decay and no-decay
+
+
+def test_attention_kernels_agree_and_auto_picks_by_device():
+    objective = _classifier()
+    images = torch.randn(2, 3, 16, 16)
+    assert set_attention(objective, "sdpa", torch.device("cpu")) == "sdpa"
+    fused = objective.model(images)
+    assert set_attention(objective, "auto", torch.device("cpu")) == "math"
+    assert not any(block.attn.fused_attn for block in objective.model.blocks)
+    torch.testing.assert_close(objective.model(images), fused, rtol=1e-5, atol=1e-5)
+    assert set_attention(objective, "auto", torch.device("cuda")) == "sdpa"
+    assert all(block.attn.fused_attn for block in objective.model.blocks)
