@@ -6,7 +6,7 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 # torch/torchvision are pinned here (not in pyproject) to the build this machine serves from its own disk.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install quickstart quickstart-data test test-unit test-dist lint format bench
+.PHONY: install quickstart quickstart-beit quickstart-data test test-unit test-dist lint format bench
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -40,6 +40,14 @@ quickstart: quickstart-data
 	rm -rf runs/quickstart runs/quickstart_finetune
 	./launch.sh recipes/quickstart.yaml
 	./launch.sh recipes/quickstart_finetune.yaml
+	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir runs"
+
+# BEiT-style: a VQ-VAE tokenizer, masked-patch prediction of its codes, then the same fine-tuning from that export.
+quickstart-beit: quickstart-data
+	rm -rf runs/quickstart_tokenizer runs/quickstart_beit runs/quickstart_beit_finetune
+	./launch.sh recipes/quickstart_tokenizer.yaml
+	./launch.sh recipes/quickstart_beit.yaml
+	./launch.sh recipes/quickstart_finetune.yaml model.init=runs/quickstart_beit/export run_dir=runs/quickstart_beit_finetune
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir runs"
 
 test: install

@@ -107,7 +107,7 @@ class BlockwiseMask(Section):
     def _check_aspect(self) -> BlockwiseMask:
         low, high = self.aspect_ratio
         if not 0 < low <= high:
-            raise ValueError(f"aspect_ratio must satisfy 0 < low <= high, got {self.aspect_ratio}")
+            raise ValueError(f"aspect_ratio must satisfy 0 < low <= high, got {list(self.aspect_ratio)}")
         return self
 
     def budget(self, num_patches: int) -> int:

@@ -60,6 +60,15 @@ def test_base_recipe_is_merged_and_overridden():
         (["data.global_batch_size=10", "engine.grad_accum_steps=3"], "engine.grad_accum_steps"),
         (["engine.zero_stage=4"], "engine.zero_stage"),
         (["stage=finetune", "objective.kind=mae"], "does not fit stage"),
+        (["objective.kind=beit", "objective.mask.min_patchs=4"], "objective.mask.min_patchs: unknown key (did you"),
+        (["objective.kind=beit", "objective.mask.kind=random", "objective.mask.ratoi=0.5"], "'ratio'?"),
+        (["objective.kind=beit", "objective.mask.num_masked=196"], "objective.mask masks 196 of 196 patches"),
+        (["objective.kind=beit", "objective.mask.aspect_ratio=[2, 1]"], "objective.mask: Value error, aspect_ratio"),
+        (["objective.kind=beit", "objective.target.kind=tokenizer"], "needs objective.target.path"),
+        (["objective.kind=beit", "objective.target.kind=colour"], "objective.target.kind"),
+        (["stage=tokenizer", "objective.codebook=5"], "objective.codebook: unknown key (did you mean 'codebook_size'"),
+        (["stage=tokenizer", "objective.kind=mae"], "does not fit stage"),
+        (["optim.layer_decay=1.5"], "optim.layer_decay"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):
@@ -120,3 +129,11 @@ def test_epochs_convert_once_to_steps():
         cfg.steps(None)
     with pytest.raises(ConfigError, match="exactly one of schedule.steps and schedule.epochs"):
         load_config(None, ["schedule={steps: 3, epochs: 1}"])
+
+
+def test_mask_kind_defaults_to_blockwise_and_budget():
+    cfg = load_config(None, ["objective.kind=beit", "objective.mask.min_patches=4"])
+    assert cfg.objective.mask.kind == "blockwise" and cfg.objective.mask.budget(196) == 78  # round(0.4 x 196)
+    cfg = load_config(RECIPES[0].parent / "beit_vitb.yaml")
+    assert cfg.objective.mask.budget(196) == 75 and cfg.peak_lr == 1.5e-3  # absolute lr, whatever the batch
+    assert cfg.model.layer_scale_init == 0.1 and cfg.optim.grad_clip == 3.0

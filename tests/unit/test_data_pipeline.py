@@ -15,8 +15,9 @@ import webdataset as wds
 from PIL import Image
 
 from data import sources
+from data.masking import BlockwiseMaskGenerator
 from data.pipeline import dataset_size, make_eval_loader, make_train_loader, resolve_shards
-from data.transforms import eval_transform, pretrain_transform
+from data.transforms import WithMask, eval_transform, pretrain_transform
 from data.write import write_shards
 
 NUM_SHARDS, SHARD_SIZE, NUM_CLASSES, SIZE = 8, 12, 4, 8
@@ -269,3 +270,16 @@ def test_dict_transform_outputs_are_stacked_and_reproducible(shard_dir):
     assert first[0]["mask"].shape == (8, 4) and first[0]["mask"].dtype == torch.bool
     assert all(torch.equal(a["mask"], b["mask"]) for a, b in zip(first, again, strict=True))
     assert len({tuple(m.tolist()) for m in first[0]["mask"]}) > 1  # each sample draws its own mask
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_blockwise_masks_travel_with_the_batch_and_resume_exactly(shard_dir, num_workers):
+    transform = WithMask(
+        eval_transform(SIZE, MEAN, STD, crop_pct=1.0), BlockwiseMaskGenerator((4, 4), 6, min_patches=2)
+    )
+    shards = resolve_shards(shard_dir)
+    fresh = _take(_train(shards, transform=transform, num_workers=num_workers), 6)
+    assert fresh[0]["mask"].shape == (8, 4, 4) and fresh[0]["mask"].dtype == torch.bool
+    assert all((b["mask"].flatten(1).sum(1) == 6).all() for b in fresh)  # the exact budget in every sample
+    resumed = _take(_train(shards, transform=transform, num_workers=num_workers, skip_batches=4), 2)
+    assert all(torch.equal(a["mask"], b["mask"]) for a, b in zip(resumed, fresh[4:], strict=True))

@@ -6,7 +6,15 @@ import torch
 from PIL import Image
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, finetune_train_transform, pretrain_transform
+from data.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    TwoViewCropFlip,
+    WithMask,
+    eval_transform,
+    finetune_train_transform,
+    pretrain_transform,
+)
 
 ALL_TRANSFORMS = [pretrain_transform, finetune_train_transform, eval_transform]
 
@@ -84,3 +92,23 @@ def test_pretrain_crop_area_follows_scale():
     assert all(x.max() - x.min() < 0.15 for x in small)  # width <= sqrt(0.01 * 4/3) of the image
     full = pretrain_transform(16, *unit, scale=(1.0, 1.0))(image)[0]
     assert full.max() - full.min() > 0.9
+
+
+def test_two_views_share_one_crop_and_flip():
+    pixels = np.zeros((40, 40, 3), dtype=np.uint8)
+    pixels[:, :10, 0] = 255  # a red band on the left: where it lands tells the crop and the flip
+    image = Image.fromarray(pixels)
+    transform = TwoViewCropFlip(32, 16, (0, 0, 0), (1, 1, 1), (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), scale=(0.3, 1.0))
+    for seed in range(20):
+        torch.manual_seed(seed)
+        out = transform(image)
+        assert out["image"].shape == (3, 32, 32) and out["tokenizer_image"].shape == (3, 16, 16)
+        small = torch.nn.functional.avg_pool2d(out["image"][None], 2)[0]  # the encoder view at 16 px, in [0, 1]
+        second = out["tokenizer_image"] * 0.5 + 0.5  # undo the tokenizer view's own normalisation
+        assert (small[0] - second[0]).abs().mean() < 0.1, seed  # same crop and flip, two resolutions
+
+
+def test_with_mask_adds_the_generator_output():
+    transform = WithMask(eval_transform(8, IMAGENET_MEAN, IMAGENET_STD), lambda: torch.ones(2, 2, dtype=torch.bool))
+    out = transform(_halves(16))
+    assert set(out) == {"image", "mask"} and out["image"].shape == (3, 8, 8) and out["mask"].all()
