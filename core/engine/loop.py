@@ -67,17 +67,22 @@ def _max_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def _grad_norm(engine) -> float | None:
-    """Global gradient norm of the step just taken: DeepSpeed's when it computed one (ZeRO, clipping)."""
+def _grad_norm(engine, optimizer, world_size: int) -> float | None:
+    """Global gradient norm of the step just taken (before clipping).
+
+    With clipping DeepSpeed computed it; otherwise it comes from the squared norms GuardedAdamW measured on each
+    rank's partition: disjoint under ZeRO-1/2/3, so they are summed; full replicas under ZeRO-0, so averaged.
+    """
     norm = engine.get_global_grad_norm()
-    if norm is None:
+    if norm is not None and engine.gradient_clipping() > 0:
+        return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+    sq_norm = optimizer.grad_sq_norm
+    if sq_norm is None:
         return None
-    return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
-
-
-def _local_grad_norm(engine) -> torch.Tensor:
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    sq_norm = all_reduce(sq_norm.detach().float().clone())
+    if engine.zero_optimization_stage() == 0:
+        sq_norm /= world_size
+    return float(sq_norm.sqrt())
 
 
 def train(
@@ -120,15 +125,15 @@ def train(
             engine.backward(out["loss"])
             step_loss += out["loss"].detach().float()
             window.add_scalars(out)
-            if micro == accum - 1:
-                _veto_if_nonfinite(step_loss, optimizer, precision, state, cfg, step)
-                local_norm = _local_grad_norm(engine) if log_now and engine.zero_optimization_stage() == 0 else None
-            engine.step()
+            if micro < accum - 1:
+                engine.step()  # DeepSpeed only accumulates here; the optimizer runs at the boundary below
+                continue
+            skip = _nonfinite_step(step_loss, precision, state, cfg, step)
+            with optimizer.guard(skip=skip, measure=log_now):
+                engine.step()
         window.add_step(step_loss / accum, micro_batch * accum * dist.world_size)
         if log_now:
-            grad_norm = _grad_norm(engine)
-            if grad_norm is None and local_norm is not None:  # ZeRO-0 without clipping: DeepSpeed computed none
-                grad_norm = float(local_norm)
+            grad_norm = _grad_norm(engine, optimizer, dist.world_size)
             values = window.flush(
                 lr=lr,
                 grad_norm=grad_norm,
@@ -164,22 +169,21 @@ def train(
     return state
 
 
-def _veto_if_nonfinite(step_loss, optimizer, precision: str, state: TrainState, cfg: Config, step: int) -> None:
-    """All ranks agree whether any had a non-finite loss; if so the update is skipped on all of them."""
+def _nonfinite_step(step_loss, precision: str, state: TrainState, cfg: Config, step: int) -> bool:
+    """All ranks agree whether any had a non-finite loss; returns whether to skip the update (on all of them)."""
     bad = all_reduce((~torch.isfinite(step_loss)).float())
     if bad.item() == 0:
         state.consecutive_nonfinite = 0
-        return
+        return False
     state.nonfinite_skipped += 1
     state.consecutive_nonfinite += 1
-    if precision != "fp16":  # DeepSpeed's fp16 optimizer already skips overflowing steps itself
-        optimizer.skip_next = True
     if state.consecutive_nonfinite >= cfg.engine.max_consecutive_nonfinite:
         raise NonFiniteLossError(
             f"stopping at step {step}: the loss was non-finite for {state.consecutive_nonfinite} steps in a row "
             f"(engine.max_consecutive_nonfinite={cfg.engine.max_consecutive_nonfinite}); no update was applied for "
             f"them and the last checkpoint in checkpoints/latest is intact. Lower optim.base_lr or check the data."
         )
+    return precision != "fp16"  # DeepSpeed's fp16 optimizer already skips overflowing steps itself
 
 
 class _Window:

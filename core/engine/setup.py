@@ -3,6 +3,7 @@ that applies distribution to an objective from outside."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -16,17 +17,39 @@ from core.engine.distributed import DistInfo
 
 
 class GuardedAdamW(torch.optim.AdamW):
-    """AdamW whose next update can be vetoed: after a non-finite loss on any rank the loop sets `skip_next`, and the
-    step leaves parameters, moments and the step count exactly as they were. DeepSpeed's ZeRO wrappers call this
-    object's `step` on their flat partitions, so the veto holds at every stage."""
+    """AdamW whose update can be vetoed, and which can measure the gradients it is handed.
 
-    skip_next: bool = False
+    DeepSpeed's ZeRO wrappers call this object's `step` on their flat fp32 partitions (on the parameters themselves
+    at ZeRO-0) with the reduced, unscaled gradients, and ZeRO-1/2 call it once per parameter group. The loop sets the
+    flags around one `engine.step()` (`guard`), so they hold for every call inside it, at every stage:
+    - `skip`: after a non-finite loss on any rank, parameters, moments and step counts stay exactly as they were;
+    - `measure`: the squared L2 norm of this rank's gradients is added to `grad_sq_norm` (a tensor, so no sync);
+      the loop sums it over ranks on logging steps only. This replaces DeepSpeed's own norm, which ZeRO-1/2 would
+      otherwise compute (and sync) on every step.
+    """
+
+    skip: bool = False
+    measure: bool = False
+    grad_sq_norm: torch.Tensor | None = None
 
     def step(self, closure=None):
-        if self.skip_next:
-            self.skip_next = False
+        if self.measure:
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            if grads:
+                sq_norm = sum(g.float().pow(2).sum() for g in grads)
+                self.grad_sq_norm = sq_norm if self.grad_sq_norm is None else self.grad_sq_norm + sq_norm
+        if self.skip:
             return None
         return super().step(closure)
+
+    @contextlib.contextmanager
+    def guard(self, *, skip: bool, measure: bool):
+        """Apply `skip` / `measure` to every optimizer call made inside the block (one engine step)."""
+        self.skip, self.measure, self.grad_sq_norm = skip, measure, None
+        try:
+            yield
+        finally:
+            self.skip = self.measure = False
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
@@ -57,6 +80,9 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
         },
         "zero_optimization": {
             "stage": e.zero_stage,
+            # ZeRO-1/2 compute the global grad norm on every step only to clip or to log it; without clipping the loop
+            # measures it on logging steps (GuardedAdamW.guard(measure=...)). fp16 keeps it for overflow checks.
+            "compute_grad_norm": not (e.zero_stage in (1, 2) and cfg.optim.grad_clip == 0 and e.precision != "fp16"),
             "contiguous_gradients": True,
             "overlap_comm": False,
             "reduce_scatter": True,

@@ -112,3 +112,20 @@ def test_dry_run_prints_config_and_torchrun_command(shards, tmp_path):
     assert "base_lr: 0.002" in proc.stdout
     assert "torch.distributed.run --nnodes 2 --node-rank 1 --nproc-per-node 2" in proc.stdout
     assert "-m pretrain" in proc.stdout and not (tmp_path / "run").exists()
+
+
+def test_zero0_and_zero2_give_the_same_losses_and_grad_norms(zero2_run, shards, tmp_path):
+    """The grad norm is measured by the optimizer on logging steps: ZeRO-2 partitions must sum to ZeRO-0's norm."""
+    run_dir, _ = zero2_run
+    recipe = pretrain_recipe(shards, tmp_path / "run", engine={"zero_stage": 0})
+    proc = launch(write_recipe(tmp_path / "tiny_mae_zero0.yaml", recipe))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+    def norms(path):
+        return [m["train/grad_norm"] for m in read_metrics(path) if "train/grad_norm" in m]
+
+    assert len(norms(run_dir)) == 6 and all(n > 0 for n in norms(run_dir))
+    for a, b in zip(norms(tmp_path / "run"), norms(run_dir), strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5)
+    for step, loss in losses(tmp_path / "run").items():
+        assert math.isclose(loss, losses(run_dir)[step], rel_tol=1e-5)

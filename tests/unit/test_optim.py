@@ -4,7 +4,7 @@ import timm
 import torch
 
 from core.config import load_config
-from core.engine.setup import build_optimizer, set_attention
+from core.engine.setup import GuardedAdamW, build_optimizer, set_attention
 from finetune.classification import Classification
 
 
@@ -64,3 +64,28 @@ def test_attention_kernels_agree_and_auto_picks_by_device():
     torch.testing.assert_close(objective.model(images), fused, rtol=1e-5, atol=1e-5)
     assert set_attention(objective, "auto", torch.device("cuda")) == "sdpa"
     assert all(block.attn.fused_attn for block in objective.model.blocks)
+
+
+def test_guard_covers_every_step_call_of_one_engine_step():
+    """ZeRO-1/2 call the optimizer once per param group inside one engine step; the guard must hold for all."""
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3))
+    optimizer = GuardedAdamW([{"params": [weight]}, {"params": [bias]}], lr=0.1, fused=True)
+    weight.grad, bias.grad = torch.full((3, 3), 2.0), torch.full((3,), 1.0)
+    before = [weight.detach().clone(), bias.detach().clone()]
+
+    def deepspeed_like_step():
+        groups = optimizer.param_groups
+        for group in groups:  # what DeepSpeed's stage_1_and_2 `_optimizer_step(i)` does
+            optimizer.param_groups = [group]
+            optimizer.step()
+        optimizer.param_groups = groups
+
+    with optimizer.guard(skip=True, measure=True):
+        deepspeed_like_step()
+    assert torch.equal(weight, before[0]) and torch.equal(bias, before[1]) and not optimizer.state
+    assert optimizer.grad_sq_norm.item() == 9 * 4.0 + 3 * 1.0  # both groups measured
+    with optimizer.guard(skip=False, measure=False):
+        deepspeed_like_step()
+    assert not torch.equal(weight, before[0]) and not torch.equal(bias, before[1])
+    assert optimizer.grad_sq_norm is None and not optimizer.skip
