@@ -39,10 +39,21 @@ class ModelConfig(Section):
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
     layer_scale_init: float | None = Field(None, gt=0.0)
     """LayerScale: per-channel residual scales initialised to this value (BEiT: 0.1); None turns it off."""
-    global_pool: Literal["token", "avg"] = "token"
-    """Fine-tuning pooling: cls token, or average of patch tokens + fc_norm (MAE's fine-tuning default)."""
+    global_pool: Literal["auto", "token", "avg"] = "auto"
+    """Fine-tuning pooling: cls token, or average of patch tokens + fc_norm (MAE's fine-tuning default); auto takes
+    the init export's `pooling_hint` (else the cls token). Pretraining always uses the cls-token layout."""
     init: str | None = None
-    """Fine-tuning: an exported encoder folder (`RUN_DIR/export`) to start from."""
+    """Fine-tuning: weights to start from: our export folder, an official MAE/DeiT checkpoint, a timm state dict
+    (.pth/.bin/.safetensors); see finetune/handoff.py."""
+    trust_checkpoint: bool = False
+    """Allow unpickling non-tensor objects from `init` (official MAE checkpoints carry argparse args). Only for files
+    you trust: a pickle can run code."""
+    head_init: Literal["zero", "trunc_normal"] = "zero"
+    """Classifier head init: zero weight and bias (ViT paper), or truncated normal with `head_init_std` (MAE)."""
+    head_init_std: float = Field(2e-5, gt=0.0)
+    pos_embed_resize: Literal["interpolate", "sincos"] = "interpolate"
+    """On a patch-grid change: bicubic interpolation of the pretrained grid, or (for encoders pretrained with fixed
+    2-D sin-cos position embeddings, e.g. MAE) regenerate sin-cos values for the new grid."""
     num_classes: int | None = Field(None, gt=0)
     """Fine-tuning: number of classes; default from the training shards' index.json."""
 
@@ -184,6 +195,48 @@ class VQVAEObjective(Section):
 class ClassificationObjective(Section):
     kind: Literal["classification"] = "classification"
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    """Applied by Mixup/CutMix to its soft targets when they are on, else by the cross-entropy."""
+    mode: Literal["finetune", "linear_probe"] = "finetune"
+    """linear_probe: frozen encoder, BatchNorm1d(affine=False) + linear head on the pooled features (MAE)."""
+
+
+class AugmentConfig(Section):
+    """Fine-tuning augmentation and regularisation (timm's implementations), applied on the training stream."""
+
+    hflip: float = Field(0.5, ge=0.0, le=1.0)
+    auto_augment: str | None = None
+    """timm RandAugment / AutoAugment policy string, e.g. `rand-m9-mstd0.5-inc1` (MAE fine-tuning)."""
+    re_prob: float = Field(0.0, ge=0.0, le=1.0)
+    """Random erasing probability (MAE: 0.25), pixel mode, one box."""
+    mixup: float = Field(0.0, ge=0.0)
+    """Mixup alpha (MAE: 0.8); 0 turns it off."""
+    cutmix: float = Field(0.0, ge=0.0)
+    """CutMix alpha (MAE: 1.0); 0 turns it off."""
+    mix_prob: float = Field(1.0, ge=0.0, le=1.0)
+    """Probability of applying mixup or cutmix to a batch."""
+    mix_switch_prob: float = Field(0.5, ge=0.0, le=1.0)
+    """With both on: probability of cutmix instead of mixup."""
+
+
+class DistillConfig(Section):
+    """DeiT distillation: a distillation token and head trained against a frozen teacher's outputs."""
+
+    kind: Literal["none", "soft", "hard"] = "none"
+    """soft: KL to the teacher's softened output at temperature `tau`, scaled by tau^2; hard: cross-entropy on the
+    teacher's argmax. Each of the two losses (true labels, teacher) is weighted 1/2 (DeiT)."""
+    teacher: str | None = None
+    """Teacher weights: any checkpoint `model.init` accepts (with its classifier head)."""
+    teacher_arch: str | None = None
+    """timm architecture of the teacher when `teacher` is a bare state dict (e.g. `vit_small_patch16_224`)."""
+    tau: float = Field(3.0, gt=0.0)
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    """Weight of the teacher loss (DeiT: 1/2)."""
+
+    @model_validator(mode="after")
+    def _check_teacher(self) -> DistillConfig:
+        if self.kind != "none" and not self.teacher:
+            raise ValueError(f"distill.kind {self.kind!r} needs distill.teacher (a checkpoint path)")
+        return self
 
 
 Objective = Annotated[
@@ -203,6 +256,11 @@ class OptimConfig(Section):
     eps: float = Field(1e-8, gt=0.0)
     grad_clip: float = Field(0.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 turns clipping off."""
+    kind: Literal["adamw", "sgd", "lars"] = "adamw"
+    """adamw (pretraining, fine-tuning); sgd or lars with `momentum` (linear probe: MAE uses LARS)."""
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    ema_decay: float = Field(0.0, ge=0.0, lt=1.0)
+    """Keep an exponential moving average of the weights with this decay (e.g. 0.9999) and evaluate it too; 0 = off."""
     layer_decay: float = Field(1.0, gt=0.0, le=1.0)
     """Layer-wise lr decay (BEiT/MAE fine-tuning): block i (0-based) of L gets lr x layer_decay^(L - i), the
     embeddings layer_decay^(L + 1), the final norm and head the full lr; 1 turns it off."""
@@ -253,6 +311,8 @@ class LoggingConfig(Section):
 class EvalConfig(Section):
     every_steps: int = Field(0, ge=0)
     """Evaluate on data.val every N steps (0 = at the end only)."""
+    per_class: bool = True
+    """At the end: per-class accuracy table (console, TensorBoard text) and confusion matrix (TensorBoard image)."""
 
 
 class Config(Section):
@@ -268,12 +328,20 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
+    augment: AugmentConfig = AugmentConfig()
+    distill: DistillConfig = DistillConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         allowed = OBJECTIVES_BY_STAGE[self.stage]
         if self.objective.kind not in allowed:
             raise ValueError(f"objective.kind {self.objective.kind!r} does not fit stage {self.stage!r} ({allowed})")
+        if self.distill.kind != "none" and self.model.global_pool == "avg":
+            raise ValueError("distill needs model.global_pool token (the class and distillation tokens are the heads')")
+        if self.optim.ema_decay and self.engine.zero_stage == 3:
+            raise ValueError(
+                "optim.ema_decay does not work with engine.zero_stage 3 (the average would be partitioned)"
+            )
         if isinstance(self.objective, BEiTObjective):
             num_patches = math.prod(self.model.grid)
             budget = self.objective.mask.budget(num_patches)

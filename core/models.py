@@ -60,6 +60,7 @@ def build_vit(
     depth: int | None = None,
     num_heads: int | None = None,
     mlp_ratio: float = 4.0,
+    distilled: bool = False,
     **timm_kwargs: Any,
 ) -> VisionTransformer:
     """Builds a randomly initialised timm ViT of a named size, optionally with custom width/depth/heads.
@@ -76,6 +77,7 @@ def build_vit(
         depth: Overrides the size's number of blocks.
         num_heads: Overrides the size's number of attention heads.
         mlp_ratio: MLP hidden width relative to `embed_dim`.
+        distilled: DeiT's VisionTransformerDistilled (a distillation token and head next to the class token's).
         **timm_kwargs: Further `VisionTransformer` arguments (e.g. `qkv_bias`, `init_values`).
 
     Returns:
@@ -103,7 +105,11 @@ def build_vit(
         mlp_ratio=mlp_ratio,
         **timm_kwargs,
     )
-    return timm.create_model(_architecture_name(size, patch_size), pretrained=False, **model_args)
+    name = _architecture_name(size, patch_size)
+    if distilled:
+        name = f"deit_{size}_distilled_patch16_224"
+        name = name if timm.is_model(name) else "deit_base_distilled_patch16_224"  # model_args set the shape anyway
+    return timm.create_model(name, pretrained=False, **model_args)
 
 
 def vit_model_args(model: VisionTransformer) -> dict[str, Any]:

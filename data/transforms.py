@@ -1,7 +1,7 @@
 """Image transforms: an RGB PIL image in, a normalized (3, H, W) float32 tensor out (or a dict of tensors with
 "image": a second view for a tokenizer, a patch mask).
 
-All randomness comes from the global torch / python RNGs, which the data pipeline seeds per sample.
+All randomness comes from the global torch / python / numpy RNGs, which the data pipeline seeds per sample.
 """
 
 import math
@@ -10,7 +10,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torchvision.transforms.functional as TF
 from PIL import Image
+from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.data.random_erasing import RandomErasing
 from torchvision import transforms as T
 
 IMAGENET_MEAN = IMAGENET_DEFAULT_MEAN
@@ -40,17 +42,63 @@ def finetune_train_transform(
     std: Sequence[float],
     scale: tuple[float, float] = (0.08, 1.0),
     hflip: float = 0.5,
+    auto_augment: str | None = None,
+    re_prob: float = 0.0,
 ) -> T.Compose:
-    """Fine-tuning augmentation: bicubic RandomResizedCrop over a wider area range and a horizontal flip.
+    """Fine-tuning augmentation (DeiT / MAE fine-tuning): timm's training pipeline for these options.
+
+    Bicubic RandomResizedCrop over a wide area range, horizontal flip, an optional timm AutoAugment / RandAugment /
+    AugMix policy, to tensor, normalize, then optional timm RandomErasing of one box with per-pixel N(0, 1) noise
+    (in normalized units). This is `timm.data.create_transform(is_training=True, interpolation="bicubic",
+    re_mode="pixel", re_count=1)` with two differences, so that the policy-free transform stays crop + flip:
+    torchvision's RandomResizedCrop (same sampling, drawn from torch rather than python `random`) and no
+    ColorJitter (which timm adds by default only when no policy is given).
 
     Args:
         img_size: Output size, an int for square images or (height, width).
-        mean: Per-channel mean.
+        mean: Per-channel mean; also the fill colour of the policy's geometric ops (as timm does).
         std: Per-channel standard deviation.
         scale: Range of the crop's area as a fraction of the image.
         hflip: Probability of flipping horizontally.
+        auto_augment: A timm policy string such as "rand-m9-mstd0.5-inc1" (RandAugment), "original" or "v0"
+            (AutoAugment), "augmix-m5-w4-d2" (AugMix); None for none.
+        re_prob: Probability of erasing a random box after normalisation; 0 disables it.
+
+    Raises:
+        ValueError: If `re_prob` is outside [0, 1] or timm rejects the policy string.
     """
-    return _crop_flip(img_size, mean, std, scale, hflip)
+    if not 0.0 <= re_prob <= 1.0:
+        raise ValueError(f"re_prob must be in [0, 1], got {re_prob}")
+    steps: list[Callable] = [
+        T.RandomResizedCrop(img_size, scale=scale, interpolation=T.InterpolationMode.BICUBIC),
+        T.RandomHorizontalFlip(hflip),
+    ]
+    if auto_augment:
+        steps.append(_augment_policy(auto_augment, min(_pair(img_size)), mean))
+    steps += [T.ToTensor(), T.Normalize(mean, std)]
+    if re_prob > 0:
+        steps.append(RandomErasing(re_prob, mode="pixel", max_count=1, device="cpu"))
+    return T.Compose(steps)
+
+
+def _augment_policy(policy: str, min_side: int, mean: Sequence[float]) -> Callable[[Image.Image], Image.Image]:
+    """A timm PIL-to-PIL augmentation policy with the hyperparameters `timm.data.create_transform` gives it.
+
+    Its ops draw from the global python and numpy RNGs.
+    """
+    hparams = {
+        "translate_const": int(min_side * 0.45),  # pixels, for the absolute Translate ops
+        "img_mean": tuple(min(255, round(255 * m)) for m in mean),  # fill of the uncovered area, RGB 0..255
+        "interpolation": Image.Resampling.BICUBIC,  # as the crop (timm: the `interpolation` argument)
+    }
+    try:
+        if policy.startswith("rand"):
+            return rand_augment_transform(policy, hparams)
+        if policy.startswith("augmix"):
+            return augment_and_mix_transform(policy, {**hparams, "translate_pct": 0.3})
+        return auto_augment_transform(policy, hparams)
+    except (AssertionError, KeyError, ValueError) as error:  # timm checks policy strings with asserts
+        raise ValueError(f"auto_augment {policy!r} is not a valid timm policy: {error}") from error
 
 
 def eval_transform(

@@ -1,8 +1,11 @@
-"""Held-out evaluation, each sample counted exactly once across ranks.
+"""Held-out evaluation, each sample counted exactly once across ranks, and the per-class views of its result.
 
-Every rank streams its own disjoint shards (`make_eval_loader`), sums loss / top-1 / top-5 / count, and the sums
-are all-reduced. Ranks step in lock-step (one tiny all-reduce per batch says whether anyone still has data) and a
-rank that has run out forwards a zero-weight stand-in batch, because under ZeRO-3 every forward is collective.
+Every rank streams its own disjoint shards (`make_eval_loader`), sums loss / top-1 / top-5 / count (and, on request,
+a confusion matrix), and the sums are all-reduced once at the end. Ranks step in lock-step (one tiny all-reduce per
+batch says whether anyone still has data) and a rank that has run out forwards a zero-weight stand-in batch (a copy
+of its last real batch), because under ZeRO-3 every forward is collective.
+
+Shapes: B batch, K classes, C cell size in pixels.
 """
 
 from __future__ import annotations
@@ -14,31 +17,177 @@ from core.engine.distributed import DistInfo, all_reduce
 from core.engine.loop import autocast_context, to_device
 from finetune.classification import topk_correct
 
+# Colour map of `confusion_image`: a row-normalised fraction of 0 is white, 1 is dark blue (matplotlib "Blues" ends).
+_WHITE = (1.0, 1.0, 1.0)
+_DARK_BLUE = (8 / 255, 48 / 255, 107 / 255)
+_NO_SAMPLES_GREY = 0.85  # rows of classes without samples, told apart from "never predicted"
+
 
 @torch.no_grad()
-def evaluate(engine, batches, *, dist: DistInfo, precision: str) -> dict[str, float]:
-    """Returns {"val/loss", "val/top1", "val/top5", "val/samples"} over the whole held-out set."""
+def evaluate(
+    engine, batches, *, dist: DistInfo, precision: str, confusion: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Evaluate on every rank's share of the held-out set; collective: every rank must call it.
+
+    Args:
+        engine: Called as `engine(batch)` and returns a dict with "logits" (B, K); has `eval()` and `train()`.
+        batches: This rank's batches, "image" and "label" (B,) class indices. A rank may run out before the
+            others, but must have at least one batch if any rank has one (see Raises).
+        dist: This process's place in the group.
+        precision: "fp32", "bf16" or "fp16", as for training.
+        confusion: Optional (K, K) int64 tensor, on any device, overwritten with the confusion matrix summed over all
+            ranks: rows are true classes, columns predicted (top-1) classes.
+
+    Returns:
+        {"val/loss", "val/top1", "val/top5", "val/samples"} over the whole held-out set (loss and accuracies are 0
+        when it is empty).
+
+    Raises:
+        ValueError: On every rank at the first batch, if some rank has no batch at all while others have some: it
+            cannot forward a stand-in (ZeRO-3 forwards are collective) without a batch to copy. `make_eval_loader`
+            gives each rank at least one shard, so this means a shard without samples.
+    """
+    if confusion is not None and confusion.dtype != torch.int64:
+        raise ValueError(f"evaluate: confusion must be int64, got {confusion.dtype}")
     sums = torch.zeros(4, dtype=torch.float64, device=dist.device)  # loss, top1, top5, count
+    counts = None  # (K, K) on this rank's device, whatever the caller's tensor is on
+    if confusion is not None:
+        _check_square(confusion, None)
+        counts = torch.zeros(confusion.shape, dtype=torch.int64, device=dist.device)
     iterator = iter(batches)
     stand_in = None
     engine.eval()
     while True:
         batch = next(iterator, None)
-        has_data = torch.tensor([0.0 if batch is None else 1.0], device=dist.device)
-        if all_reduce(has_data, op="max").item() == 0:
+        if not _anyone_has_data(batch is not None, stand_in is not None, dist):
             break
-        weight = 1.0
-        if batch is None:
-            batch, weight = stand_in, 0.0
-        stand_in = batch
-        batch = to_device(batch, dist.device, precision)
+        real = batch is not None
+        stand_in = batch if real else stand_in
+        batch = to_device(stand_in, dist.device, precision)
         with autocast_context(precision, dist.device):
-            logits = engine(batch)["logits"].float()
-        labels = batch["label"]
-        loss = F.cross_entropy(logits, labels, reduction="sum")
-        correct = topk_correct(logits, labels, ks=(1, 5)).to(sums)
-        sums += weight * torch.stack([loss.double(), correct[0], correct[1], torch.tensor(len(labels)).to(sums)])
+            logits = engine(batch)["logits"].float()  # (B, K)
+        if real:  # a stand-in is forwarded only to keep ZeRO-3 in step: weight 0, it is not added
+            _accumulate(logits, batch["label"], sums, counts)
     engine.train()
     loss, top1, top5, count = all_reduce(sums).tolist()
-    count = max(count, 1.0)
-    return {"val/loss": loss / count, "val/top1": top1 / count, "val/top5": top5 / count, "val/samples": count}
+    if confusion is not None:
+        confusion.copy_(all_reduce(counts))
+    n = max(count, 1.0)
+    return {"val/loss": loss / n, "val/top1": top1 / n, "val/top5": top5 / n, "val/samples": count}
+
+
+def _anyone_has_data(has_batch: bool, has_stand_in: bool, dist: DistInfo) -> bool:
+    """The per-batch lock-step all-reduce: whether any rank still has a batch; raises if some rank has none at all."""
+    empty_rank = 0.0 if has_batch or has_stand_in else dist.rank + 1.0  # max-reduced: names one such rank
+    flags = torch.tensor([float(has_batch), empty_rank], device=dist.device)
+    anyone, empty_rank = all_reduce(flags, op="max").tolist()
+    if anyone and empty_rank:  # same values on every rank, so they all raise here instead of hanging in a forward
+        raise ValueError(
+            f"evaluate: rank {int(empty_rank) - 1} got no samples from its eval shards while other ranks did. Every "
+            "rank must forward a batch at each eval step (ZeRO-3 forwards are collective) and a rank that runs out "
+            "forwards a copy of its last batch, so it needs at least one. make_eval_loader gives each rank >= 1 "
+            "shard, so one of them holds no samples: rewrite the eval shards without empty ones or use fewer ranks."
+        )
+    return bool(anyone)
+
+
+def _accumulate(logits: torch.Tensor, labels: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor | None) -> None:
+    """Adds one real batch to the running sums (loss, top1, top5, count) and the (K, K) confusion counts."""
+    loss = F.cross_entropy(logits, labels, reduction="sum")
+    correct = topk_correct(logits, labels, ks=(1, 5)).to(sums)  # (2,)
+    sums += torch.stack([loss.double(), correct[0], correct[1], sums.new_tensor(len(labels))])
+    if counts is not None:
+        num_classes = logits.shape[-1]
+        if num_classes != counts.shape[0]:
+            raise ValueError(f"evaluate: the model has {num_classes} classes, confusion is {tuple(counts.shape)}")
+        cells = labels.long() * num_classes + logits.argmax(dim=-1)  # (B,) row-major index of (true, predicted)
+        counts.view(-1).index_add_(0, cells, torch.ones_like(cells))  # no host sync, unlike bincount
+
+
+def per_class_table(confusion: torch.Tensor, class_names: list[str]) -> str:
+    """Per-class accuracy as a markdown table (class | samples | correct | accuracy) and a mean per-class line.
+
+    Args:
+        confusion: (K, K) counts, rows true classes, columns predicted classes (as filled by `evaluate`).
+        class_names: K names, in class-index order.
+
+    Returns:
+        The table with columns padded to line up in a monospaced font (console, TensorBoard text), a blank line,
+        then "mean per-class accuracy: 0.xxxx (n of K classes have samples)". A class without samples shows "-" as its
+        accuracy and is left out of the mean.
+    """
+    num_classes = _check_square(confusion, class_names)
+    samples = confusion.sum(dim=1).tolist()  # (K,)
+    correct = confusion.diagonal().tolist()  # (K,)
+    rows = [["class", "samples", "correct", "accuracy"]]
+    accuracies = []
+    for name, num_samples, num_correct in zip(class_names, samples, correct, strict=True):
+        accuracy = num_correct / num_samples if num_samples else None
+        accuracies += [] if accuracy is None else [accuracy]
+        rows.append([name.replace("|", "\\|"), str(num_samples), str(num_correct), _fraction(accuracy)])
+    lines = _markdown_table(rows)
+    mean = sum(accuracies) / len(accuracies) if accuracies else None
+    lines.append("")  # ends the markdown table
+    lines.append(
+        f"mean per-class accuracy: {_fraction(mean)} ({len(accuracies)} of {num_classes} classes have samples)"
+    )
+    return "\n".join(lines)
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _markdown_table(rows: list[list[str]]) -> list[str]:
+    """Lines of a markdown table (first row the header), padded to line up; first column left-aligned, rest right."""
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+
+    def line(cells: list[str]) -> str:
+        padded = [cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = [":" + "-" * (width - 1) if i == 0 else "-" * (width - 1) + ":" for i, width in enumerate(widths)]
+    return [line(rows[0]), line(rule), *map(line, rows[1:])]
+
+
+def _check_square(confusion: torch.Tensor, class_names: list[str] | None) -> int:
+    """K, after checking that confusion is (K, K) and that there are K class names (if given)."""
+    if confusion.ndim != 2 or confusion.shape[0] != confusion.shape[1]:
+        raise ValueError(f"confusion must be a (K, K) matrix, got shape {tuple(confusion.shape)}")
+    num_classes = confusion.shape[0]
+    if class_names is not None and len(class_names) != num_classes:
+        raise ValueError(f"{len(class_names)} class names for a {num_classes}-class confusion matrix")
+    return num_classes
+
+
+def confusion_image(
+    confusion: torch.Tensor, class_names: list[str] | None = None, max_classes: int = 100
+) -> torch.Tensor:
+    """A picture of the row-normalised confusion matrix, for TensorBoard (`MetricsLogger.image`).
+
+    Each cell is a C x C block of pixels (C = 512 // K, between 1 and 32), coloured from white (fraction 0 of the
+    true class's samples) to dark blue (fraction 1): a good classifier shows a dark diagonal. Rows of classes
+    without samples are light grey. Rows run top to bottom, columns left to right, in class-index order.
+
+    Args:
+        confusion: (K, K) counts, rows true classes, columns predicted classes.
+        class_names: Only checked to number K: the picture has no text (pure torch, no fonts), read the names off
+            `per_class_table`, which lists classes in the same order.
+        max_classes: If K is larger, only the first `max_classes` rows and columns are drawn (still normalised by
+            the whole row, so a row's drawn cells may sum to less than 1).
+
+    Returns:
+        (3, H, W) float in [0, 1], H = W = C * min(K, max_classes).
+    """
+    if max_classes < 1:
+        raise ValueError(f"max_classes must be >= 1, got {max_classes}")
+    _check_square(confusion, class_names)
+    counts = confusion.detach().to("cpu", torch.float64)  # (K, K)
+    row_sums = counts.sum(dim=1, keepdim=True)  # (K, 1)
+    shown = min(counts.shape[0], max_classes)
+    fractions = (counts / row_sums.clamp(min=1))[:shown, :shown].float()  # (k, k), k = shown
+    white, blue = torch.tensor(_WHITE), torch.tensor(_DARK_BLUE)  # (3,)
+    image = white[:, None, None] + (blue - white)[:, None, None] * fractions  # (3, k, k)
+    image[:, (row_sums[:shown, 0] == 0)] = _NO_SAMPLES_GREY
+    cell = max(1, min(32, 512 // shown))
+    return image.repeat_interleave(cell, dim=1).repeat_interleave(cell, dim=2).clamp(0, 1)  # (3, k*C, k*C)

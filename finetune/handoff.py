@@ -1,33 +1,51 @@
-"""Hand a pretrained encoder to fine-tuning: load, resize the position grid, zero-initialise the head, report.
+"""Hand a pretrained encoder to fine-tuning: load, resize the position grid and patch kernel, initialise the head,
+report.
 
-Reads our export folder (config.json + model.safetensors [+ mimpipe.json]) or a bare `.safetensors` file; nothing
-is ever unpickled. Every checkpoint tensor ends up in exactly one bucket of the `LoadReport`:
+Accepts every format of `finetune/checkpoints.py` (our export, official MAE pretraining / fine-tuned, timm state
+dicts, DeiT distilled), read without running code unless the caller trusts the file. Every checkpoint tensor ends
+up in exactly one bucket of the `LoadReport`:
 
     loaded       copied unchanged into the model (possibly under a mapped name)
-    resized      pos_embed interpolated to the model's patch grid (ViT paper, section 3.2)
+    resized      pos_embed resampled to the model's patch grid (ViT paper, section 3.2; bicubic interpolation, or
+                 regenerated 2-D sin-cos), patch_embed.proj.weight to another patch size (FlexiViT's pseudo-inverse)
     mapped       renamed: `norm.*` <-> `fc_norm.*` when the pooling (cls token vs global average) changes
-    dropped      not part of the target encoder: decoder_*, mask_token, a pretraining head ...
-and every model tensor the checkpoint does not provide is `initialised` (the head, zeroed as in the ViT paper).
-An encoder tensor that does not fit (shape, missing, unexpected) is an error, never skipped.
+    dropped      not part of the target encoder: decoder_*, mask_token, dist_token, a pretraining head ...
+and every model tensor the checkpoint does not provide is `initialised` (the head: zero weight and bias as in the
+ViT paper, or MAE's truncated normal). An encoder tensor that does not fit is an error, never skipped.
+
+Shape legend: D embedding width, gh x gw patch grid, N = gh * gw, P prefix tokens with a position (cls, dist),
+ph x pw patch size, C input channels.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import safetensors.torch
 import torch
-from timm.layers import resample_abs_pos_embed
+from timm.layers import resample_abs_pos_embed, resample_patch_embed
 from timm.models import VisionTransformer
 
-# Parts of a timm ViT that pool and classify; a pretrained encoder never provides them for the new task.
-HEAD_MODULES = ("head", "attn_pool")
-# The final norm sits before pooling for the cls token (`norm`) and after it for global average pooling (`fc_norm`).
-NORM_PAIR = ("norm", "fc_norm")
+from core.models import sincos_pos_embed_2d
+from finetune.checkpoints import (
+    Checkpoint,
+    checkpoint_keys,
+    has_module,
+    match_prefix_tokens,
+    norm_renames,
+    read_checkpoint,
+    read_manifest,
+)
+
+# Parts of a timm ViT that pool and classify; a pretrained encoder provides them only with `keep_head`.
+HEAD_MODULES = ("head", "head_dist", "attn_pool")
+# Linear classifiers that `head_init` initialises when the checkpoint does not provide them.
+CLASSIFIERS = ("head", "head_dist")
+PATCH_KERNEL = "patch_embed.proj.weight"
+HEAD_INITS = ("zero", "trunc_normal", "keep")
+POS_EMBED_RESIZES = {"interpolate": "bicubic interpolation", "sincos": "sin-cos regenerated"}
 
 
 @dataclass
@@ -35,26 +53,42 @@ class LoadReport:
     """What `load_encoder` did, key by key (model key names unless said otherwise)."""
 
     source: str
+    checkpoint_format: str = ""
+    """One of `finetune.checkpoints.FORMATS` (not `format`: that name is the summary method)."""
     loaded: list[str] = field(default_factory=list)
     resized: list[tuple[str, tuple[int, int], tuple[int, int]]] = field(default_factory=list)
-    """(key, checkpoint grid, model grid), e.g. ('pos_embed', (7, 7), (8, 8))."""
+    """(key, checkpoint size, model size): patch grid for pos_embed, e.g. ('pos_embed', (7, 7), (8, 8)); kernel
+    size for patch_embed.proj.weight, e.g. ('patch_embed.proj.weight', (16, 16), (14, 14))."""
+    resize_method: dict[str, str] = field(default_factory=dict)
+    """Key -> how it was resized: "bicubic interpolation", "sin-cos regenerated", "resample_patch_embed"."""
     mapped: list[tuple[str, str]] = field(default_factory=list)
     """(checkpoint key, model key)."""
     dropped: list[str] = field(default_factory=list)
     """Checkpoint keys."""
     initialised: list[str] = field(default_factory=list)
+    head_init: str = ""
+    """What the classifier got: "zero weight and bias", "trunc_normal(std=2e-05), zero bias", "timm init",
+    "loaded from the checkpoint"; "" for a model without a linear classifier."""
+    notes: list[str] = field(default_factory=list)
+    """Other things done: unwrapping, prefix stripping, distillation-token positions."""
     manifest: dict = field(default_factory=dict)
     """The export's mimpipe.json, when there is one."""
 
     def format(self) -> str:
         """Multi-line summary for the console; long key lists are grouped by name prefix."""
-        lines = [f"Encoder weights from {self.source}"]
+        lines = [
+            f"Encoder weights from {self.source}" + (f" ({self.checkpoint_format})" if self.checkpoint_format else "")
+        ]
         facts = {k: v for k, v in self.manifest.items() if isinstance(v, str | int | float | bool)}
         if facts:
             lines.append("  manifest: " + ", ".join(f"{k}={v}" for k, v in facts.items()))
+        resized = [
+            f"{k} {a[0]}x{a[1]} -> {b[0]}x{b[1]}" + (f" ({self.resize_method[k]})" if k in self.resize_method else "")
+            for k, a, b in self.resized
+        ]
         sections = [
             ("loaded", len(self.loaded), _summarise(self.loaded)),
-            ("resized", len(self.resized), [f"{k} {a[0]}x{a[1]} -> {b[0]}x{b[1]}" for k, a, b in self.resized]),
+            ("resized", len(self.resized), resized),
             ("mapped", len(self.mapped), [f"{src} -> {dst}" for src, dst in self.mapped]),
             ("dropped", len(self.dropped), _summarise(self.dropped)),
             ("initialised", len(self.initialised), _summarise(self.initialised)),
@@ -64,6 +98,9 @@ class LoadReport:
             sections.append(("left at pretraining", len(left), _summarise(left)))
         for name, count, items in sections:
             lines.append(f"  {name} ({count}): {', '.join(items) if items else '-'}")
+        if self.head_init:
+            lines.append(f"  head: {self.head_init}")
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
@@ -71,51 +108,51 @@ class LoadReport:
         return dataclasses.asdict(self)
 
 
-def load_encoder(model: VisionTransformer, path: str | Path, *, head_init: str = "zero") -> LoadReport:
+def load_encoder(
+    model: VisionTransformer,
+    path: str | Path,
+    *,
+    head_init: str = "zero",
+    head_init_std: float = 2e-5,
+    pos_embed_resize: str = "interpolate",
+    trust_checkpoint: bool = False,
+    keep_head: bool = False,
+) -> LoadReport:
     """Load pretrained encoder weights into `model` in place and report what happened to every tensor.
 
     Args:
-        model: The fine-tuning timm ViT (any patch grid, any pooling, any number of classes).
-        path: An export folder holding model.safetensors (config.json gives the pretraining grid), or a
-            `.safetensors` file (its position grid must then be square).
-        head_init: "zero" zeroes the classifier weight and bias (ViT paper); "keep" leaves timm's init.
+        model: The fine-tuning timm ViT (any patch grid or patch size, any pooling, any number of classes; a
+            `VisionTransformerDistilled` too).
+        path: Our export folder, an official MAE / DeiT checkpoint, or a timm state dict (.pth, .bin, .safetensors).
+        head_init: For a classifier the checkpoint does not provide: "zero" weight and bias (ViT paper),
+            "trunc_normal" weight with `head_init_std` and zero bias (MAE), or "keep" timm's init.
+        head_init_std: Standard deviation of the "trunc_normal" head (MAE: 2e-5).
+        pos_embed_resize: On a patch-grid change, "interpolate" the checkpoint's grid (bicubic), or "sincos":
+            regenerate the fixed 2-D sin-cos embedding for the new grid (prefix positions zero, as MAE).
+        trust_checkpoint: Allow a full unpickle of a file that holds more than tensors (it can run code).
+        keep_head: Load the checkpoint's classifier (head.*, and head_dist.* / attn_pool.* when the model has them)
+            instead of initialising it; shapes must match (e.g. a distillation teacher).
 
     Returns:
         The load report.
 
     Raises:
-        ValueError: Unknown `head_init`, an unreadable path, or a checkpoint of another architecture (the message
-            names the file and every mismatched, missing or unexpected encoder key with both shapes).
+        ValueError: An unknown option, an unreadable or untrusted file, or a checkpoint of another architecture
+            (the message names the file and every mismatched, missing or unexpected key with both shapes).
     """
-    if head_init not in ("zero", "keep"):
-        raise ValueError(f"head_init must be 'zero' or 'keep', got {head_init!r}")
-    weights_file, config, manifest = _resolve(Path(path))
-    checkpoint = safetensors.torch.load_file(weights_file, device="cpu")
-    report = LoadReport(source=str(weights_file), manifest=manifest)
-
+    _check_options(model, head_init, head_init_std, pos_embed_resize)
+    ckpt = read_checkpoint(path, trust=trust_checkpoint)
+    report = LoadReport(
+        source=str(ckpt.source), checkpoint_format=ckpt.format, manifest=ckpt.manifest, notes=list(ckpt.notes)
+    )
     model_state = model.state_dict()
-    renames = _norm_renames(model_state, checkpoint)
+    state, may_init, notes = match_prefix_tokens(ckpt.state, model)
+    report.notes += notes
+    renames = norm_renames(model_state, state)
     report.mapped = sorted(renames.items())
-    encoder_state = {}
-    for key, tensor in checkpoint.items():
-        name = renames.get(key, key)
-        root = name.split(".")[0]
-        if root in HEAD_MODULES or not hasattr(model, root):
-            report.dropped.append(key)
-        else:
-            encoder_state[name] = tensor
-
-    source_grid = _check_fits(model, model_state, encoder_state, config, weights_file)
-    target_grid = tuple(model.patch_embed.grid_size)
-    if "pos_embed" in encoder_state and source_grid != target_grid:
-        encoder_state["pos_embed"] = resample_abs_pos_embed(
-            encoder_state["pos_embed"].float(),  # interpolate in fp32 whatever the stored dtype
-            new_size=list(target_grid),
-            old_size=list(source_grid),
-            num_prefix_tokens=_num_pos_prefix(model),
-            interpolation="bicubic",
-        )
-        report.resized.append(("pos_embed", source_grid, target_grid))
+    encoder_state = _split(model, model_state, state, renames, keep_head, report)
+    source_grid = _check_fits(model, model_state, encoder_state, ckpt, may_init | _optional_heads(keep_head))
+    _resize(model, encoder_state, source_grid, pos_embed_resize, report)
 
     result = model.load_state_dict(encoder_state, strict=False)
     assert not result.unexpected_keys, result.unexpected_keys
@@ -123,93 +160,167 @@ def load_encoder(model: VisionTransformer, path: str | Path, *, head_init: str =
     report.loaded = [k for k in model_state if k in encoder_state and k not in resized]
     report.initialised = [k for k in model_state if k not in encoder_state]
     assert set(result.missing_keys) == set(report.initialised), (result.missing_keys, report.initialised)
-    if head_init == "zero" and isinstance(model.head, torch.nn.Linear):
-        with torch.no_grad():
-            model.head.weight.zero_()
-            model.head.bias.zero_()
+    report.head_init = _init_heads(model, encoder_state, head_init, head_init_std)
     return report
 
 
-def _resolve(path: Path) -> tuple[Path, dict, dict]:
-    """Weights file, config.json and mimpipe.json (empty dicts when absent) for an export folder or a file."""
-    if path.is_dir():
-        weights_file = path / "model.safetensors"
-        if not weights_file.is_file():
-            raise ValueError(f"encoder folder {path} has no model.safetensors")
-        return weights_file, _read_json(path / "config.json"), _read_json(path / "mimpipe.json")
-    if path.suffix == ".safetensors" and path.is_file():
-        return path, {}, {}
-    raise ValueError(f"encoder path {path} is neither an export folder nor a .safetensors file (no pickles loaded)")
+def read_pooling_hint(path: str | Path, *, trust_checkpoint: bool = False) -> str | None:
+    """The pooling a checkpoint was trained with: "avg" or "token" from our export's `pooling_hint`, else "avg" when
+    it has fc_norm and no final norm (MAE fine-tuned, timm avg-pool), else None (no evidence either way).
+
+    Raises:
+        ValueError: An unreadable file, or a pickle that needs `trust_checkpoint` (as `load_encoder`).
+    """
+    hint = read_manifest(path).get("pooling_hint")
+    if hint in ("avg", "token"):
+        return hint
+    keys = checkpoint_keys(path, trust=trust_checkpoint)
+    return "avg" if has_module(keys, "fc_norm") and not has_module(keys, "norm") else None
 
 
-def _read_json(path: Path) -> dict:
-    """The file's JSON object, or {} when the file does not exist."""
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+def _check_options(model: VisionTransformer, head_init: str, head_init_std: float, pos_embed_resize: str) -> None:
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f"load_encoder needs a timm VisionTransformer, got {type(model).__name__}")
+    if head_init not in HEAD_INITS:
+        raise ValueError(f"head_init must be one of {HEAD_INITS}, got {head_init!r}")
+    if not head_init_std > 0:
+        raise ValueError(f"head_init_std must be positive, got {head_init_std}")
+    if pos_embed_resize not in POS_EMBED_RESIZES:
+        raise ValueError(f"pos_embed_resize must be one of {tuple(POS_EMBED_RESIZES)}, got {pos_embed_resize!r}")
 
 
-def _norm_renames(model_state: dict, checkpoint: dict) -> dict[str, str]:
-    """Checkpoint key -> model key for the final norm when the checkpoint has it on the other side of pooling."""
-    renames = {}
-    for src, dst in (NORM_PAIR, NORM_PAIR[::-1]):
-        src_keys = [k for k in checkpoint if k.startswith(f"{src}.")]
-        if src_keys and not _has(checkpoint, dst) and _has(model_state, dst) and not _has(model_state, src):
-            renames |= {k: dst + k[len(src) :] for k in src_keys}
-    return renames
+def _optional_heads(keep_head: bool) -> set[str]:
+    """Model modules the checkpoint need not provide: the classifier, unless it is to be loaded."""
+    return set() if keep_head else set(HEAD_MODULES)
 
 
-def _has(state: dict, module: str) -> bool:
-    return any(k.startswith(f"{module}.") for k in state)
-
-
-def _num_pos_prefix(model: VisionTransformer) -> int:
-    """Prefix (cls / register) tokens that carry a position embedding; grid positions follow them."""
-    return 0 if model.no_embed_class else model.num_prefix_tokens
+def _split(
+    model: VisionTransformer,
+    model_state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor],
+    renames: dict[str, str],
+    keep_head: bool,
+    report: LoadReport,
+) -> dict[str, torch.Tensor]:
+    """Model-named encoder tensors to load; every other checkpoint key goes to `report.dropped`."""
+    encoder_state, model_roots = {}, {k.split(".")[0] for k in model_state}
+    for key, tensor in state.items():
+        name = renames.get(key, key)
+        root = name.split(".")[0]
+        owned = root in model_roots or isinstance(getattr(model, root, None), torch.nn.Module)
+        if not owned or (root in HEAD_MODULES and not keep_head):
+            report.dropped.append(key)
+        else:
+            encoder_state[name] = tensor
+    return encoder_state
 
 
 def _check_fits(
-    model: VisionTransformer, model_state: dict, encoder_state: dict, config: dict, weights_file: Path
+    model: VisionTransformer,
+    model_state: dict[str, torch.Tensor],
+    encoder_state: dict[str, torch.Tensor],
+    ckpt: Checkpoint,
+    optional: set[str],
 ) -> tuple[int, int]:
     """Raise a ValueError listing every encoder key that does not fit; return the checkpoint's patch grid."""
-    problems, target_grid = [], tuple(model.patch_embed.grid_size)
-    source_grid = target_grid
+    problems, source_grid = [], tuple(model.patch_embed.grid_size)
     for key, tensor in encoder_state.items():
         if key not in model_state:
             problems.append(f"unexpected encoder key {key}: checkpoint {tuple(tensor.shape)}, not in the model")
             continue
-        want = tuple(model_state[key].shape)
-        if key == "pos_embed" and tensor.ndim == 3 and tensor.shape[-1] == want[-1]:
-            grid = _pos_grid(tensor.shape[1] - _num_pos_prefix(model), config, target_grid)
-            if grid is not None:
-                source_grid = grid
-                continue
-            problems.append(f"pos_embed: checkpoint {tuple(tensor.shape)} vs model {want} (no patch grid fits)")
-        elif tuple(tensor.shape) != want:
-            problems.append(f"{key}: checkpoint {tuple(tensor.shape)} vs model {want}")
+        have, want = tuple(tensor.shape), tuple(model_state[key].shape)
+        if key == "pos_embed" and len(have) == 3 and have[-1] == want[-1]:
+            grid = _source_grid(have[1] - _num_pos_prefix(model), ckpt.config, model, encoder_state)
+            if grid is None:
+                problems.append(f"pos_embed: checkpoint {have} vs model {want} (no patch grid fits)")
+            source_grid = grid or source_grid
+        elif key == PATCH_KERNEL and len(have) == 4 and have[:2] == want[:2]:
+            continue  # another patch size: the kernel is resampled
+        elif have != want:
+            problems.append(f"{key}: checkpoint {have} vs model {want}")
     for key, tensor in model_state.items():
-        if key not in encoder_state and key.split(".")[0] not in HEAD_MODULES:
+        if key not in encoder_state and key.split(".")[0] not in optional:
             problems.append(f"missing encoder key {key}: model {tuple(tensor.shape)}, not in the checkpoint")
     if problems:
-        raise ValueError(f"{weights_file} does not fit the model ({len(problems)} keys):\n  " + "\n  ".join(problems))
+        raise ValueError(f"{ckpt.source} does not fit the model ({len(problems)} keys):\n  " + "\n  ".join(problems))
     return source_grid
 
 
-def _pos_grid(num_patches: int, config: dict, target_grid: tuple[int, int]) -> tuple[int, int] | None:
-    """The checkpoint's (rows, cols) patch grid: from config.json's img_size / patch_size; without a config, the
-    model's grid when the counts agree, else a square one."""
+def _source_grid(
+    num_patches: int, config: dict, model: VisionTransformer, encoder_state: dict[str, torch.Tensor]
+) -> tuple[int, int] | None:
+    """The checkpoint's (gh, gw) patch grid. From config.json's img_size / patch_size when there is one; otherwise
+    the first that holds `num_patches`: the model's grid, the model's image cut at the checkpoint's patch size
+    (a patch-size change), a square."""
     args = config.get("model_args", {})
     if "img_size" in args and "patch_size" in args:
         img, patch = (_pair(args[k]) for k in ("img_size", "patch_size"))
-        grid = (img[0] // patch[0], img[1] // patch[1])
-        return grid if grid[0] * grid[1] == num_patches else None
-    if target_grid[0] * target_grid[1] == num_patches:
-        return target_grid
-    side = math.isqrt(num_patches)
-    return (side, side) if side * side == num_patches else None
+        candidates = [(img[0] // patch[0], img[1] // patch[1])]
+    else:
+        img = model.patch_embed.img_size
+        kernel = tuple(encoder_state.get(PATCH_KERNEL, model.patch_embed.proj.weight).shape[-2:])  # (ph, pw)
+        side = math.isqrt(num_patches)
+        candidates = [tuple(model.patch_embed.grid_size), (img[0] // kernel[0], img[1] // kernel[1]), (side, side)]
+    return next((grid for grid in candidates if grid[0] * grid[1] == num_patches), None)
+
+
+def _resize(
+    model: VisionTransformer,
+    encoder_state: dict[str, torch.Tensor],
+    source_grid: tuple[int, int],
+    method: str,
+    report: LoadReport,
+) -> None:
+    """Resample the patch kernel to the model's patch size and pos_embed to its grid, in place, recording both."""
+    kernel = encoder_state.get(PATCH_KERNEL)  # (D, C, ph, pw)
+    target_patch = tuple(model.patch_embed.proj.weight.shape[-2:])
+    if kernel is not None and tuple(kernel.shape[-2:]) != target_patch:
+        # FlexiViT: the least-squares inverse of resizing a patch, so <resize(patch), new kernel> ~ <patch, kernel>
+        encoder_state[PATCH_KERNEL] = resample_patch_embed(kernel.float(), list(target_patch))
+        report.resized.append((PATCH_KERNEL, tuple(kernel.shape[-2:]), target_patch))
+        report.resize_method[PATCH_KERNEL] = "resample_patch_embed"
+    target_grid = tuple(model.patch_embed.grid_size)
+    if "pos_embed" not in encoder_state or source_grid == target_grid:
+        return
+    num_prefix = _num_pos_prefix(model)
+    if method == "sincos":  # fixed embeddings (MAE pretraining): exact values for the new grid, prefix zeros
+        encoder_state["pos_embed"] = sincos_pos_embed_2d(model.embed_dim, target_grid, num_prefix)  # (1, P + N, D)
+    else:
+        encoder_state["pos_embed"] = resample_abs_pos_embed(
+            encoder_state["pos_embed"].float(),  # interpolate in fp32 whatever the stored dtype
+            new_size=list(target_grid),
+            old_size=list(source_grid),
+            num_prefix_tokens=num_prefix,
+            interpolation="bicubic",
+        )  # (1, P + N, D): prefix positions kept as they are
+    report.resized.append(("pos_embed", source_grid, target_grid))
+    report.resize_method["pos_embed"] = POS_EMBED_RESIZES[method]
+
+
+def _init_heads(model: VisionTransformer, encoder_state: dict[str, torch.Tensor], how: str, std: float) -> str:
+    """Initialise each linear classifier the checkpoint did not provide; say what the classifier got."""
+    heads = {name: getattr(model, name, None) for name in CLASSIFIERS}
+    heads = {name: head for name, head in heads.items() if isinstance(head, torch.nn.Linear)}
+    fresh = [head for name, head in heads.items() if f"{name}.weight" not in encoder_state]
+    if not heads:
+        return ""
+    if not fresh:
+        return "loaded from the checkpoint"
+    if how == "keep":
+        return "timm init"
+    with torch.no_grad():
+        for head in fresh:
+            if how == "zero":
+                head.weight.zero_()
+            else:  # timm's / MAE's truncation at +-2 absolute: for a small std, a plain normal
+                torch.nn.init.trunc_normal_(head.weight, std=std)
+            head.bias.zero_()
+    return "zero weight and bias" if how == "zero" else f"trunc_normal(std={std:g}), zero bias"
+
+
+def _num_pos_prefix(model: VisionTransformer) -> int:
+    """Prefix (cls / dist / register) tokens that carry a position embedding; grid positions follow them."""
+    return 0 if model.no_embed_class else model.num_prefix_tokens
 
 
 def _pair(value: int | list[int]) -> tuple[int, int]:

@@ -70,8 +70,8 @@ def _max_memory_gb(device: torch.device) -> float:
 def _grad_norm(engine, optimizer, world_size: int) -> float | None:
     """Global gradient norm of the step just taken (before clipping).
 
-    With clipping DeepSpeed computed it; otherwise it comes from the squared norms GuardedAdamW measured on each
-    rank's partition: disjoint under ZeRO-1/2/3, so they are summed; full replicas under ZeRO-0, so averaged.
+    With clipping DeepSpeed computed it; otherwise it comes from the squared norms the Guarded optimizer measured on
+    each rank's partition: disjoint under ZeRO-1/2/3, so they are summed; full replicas under ZeRO-0, so averaged.
     """
     norm = engine.get_global_grad_norm()
     if norm is not None and engine.gradient_clipping() > 0:
@@ -100,6 +100,7 @@ def train(
     config_yaml: str,
     evaluate: Callable[[int], dict[str, float]] | None = None,
     log_images: Callable[[int], None] | None = None,
+    after_update: Callable[[int], None] | None = None,
 ) -> TrainState:
     """Run optimizer steps `state.step + 1 .. total_steps`; returns the final state (also checkpointed)."""
     accum, precision, device = cfg.engine.grad_accum_steps, cfg.engine.precision, dist.device
@@ -131,6 +132,8 @@ def train(
             skip = _nonfinite_step(step_loss, precision, state, cfg, step)
             with optimizer.guard(skip=skip, measure=log_now):
                 engine.step()
+            if after_update is not None and not skip:
+                after_update(step)  # e.g. the EMA of the weights follows the update just applied
         window.add_step(step_loss / accum, micro_batch * accum * dist.world_size)
         if log_now:
             grad_norm = _grad_norm(engine, optimizer, dist.world_size)

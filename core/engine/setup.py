@@ -9,17 +9,17 @@ from pathlib import Path
 
 import torch
 from timm.layers import Attention
-from timm.optim import param_groups_layer_decay, param_groups_weight_decay
+from timm.optim import Lars, param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
 
 from core.config import Config
 from core.engine.distributed import DistInfo
 
 
-class GuardedAdamW(torch.optim.AdamW):
-    """AdamW whose update can be vetoed, and which can measure the gradients it is handed.
+class Guarded:
+    """Mixin for a torch optimizer whose update can be vetoed, and which can measure the gradients it is handed.
 
-    DeepSpeed's ZeRO wrappers call this object's `step` on their flat fp32 partitions (on the parameters themselves
+    DeepSpeed's ZeRO wrappers call the optimizer's `step` on their flat fp32 partitions (on the parameters themselves
     at ZeRO-0) with the reduced, unscaled gradients, and ZeRO-1/2 call it once per parameter group. The loop sets the
     flags around one `engine.step()` (`guard`), so they hold for every call inside it, at every stage:
     - `skip`: after a non-finite loss on any rank, parameters, moments and step counts stay exactly as they were;
@@ -52,6 +52,18 @@ class GuardedAdamW(torch.optim.AdamW):
             self.skip = self.measure = False
 
 
+class GuardedAdamW(Guarded, torch.optim.AdamW):
+    """AdamW (pretraining, fine-tuning) with the loop's guard."""
+
+
+class GuardedSGD(Guarded, torch.optim.SGD):
+    """SGD with momentum (linear probing) with the loop's guard."""
+
+
+class GuardedLars(Guarded, Lars):
+    """timm's LARS (MAE's linear probe) with the loop's guard."""
+
+
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
     """Every DeepSpeed key that changes behaviour, written explicitly (DeepSpeed's defaults move between versions:
     e.g. `gradient_clipping` defaults to 1.0, which MAE does not use)."""
@@ -81,7 +93,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
         "zero_optimization": {
             "stage": e.zero_stage,
             # ZeRO-1/2 compute the global grad norm on every step only to clip or to log it; without clipping the loop
-            # measures it on logging steps (GuardedAdamW.guard(measure=...)). fp16 keeps it for overflow checks.
+            # measures it on logging steps (Guarded.guard(measure=...)). fp16 keeps it for overflow checks.
             "compute_grad_norm": not (e.zero_stage in (1, 2) and cfg.optim.grad_clip == 0 and e.precision != "fp16"),
             "contiguous_gradients": True,
             "overlap_comm": False,
@@ -102,7 +114,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
     }
 
 
-def build_optimizer(objective: nn.Module, cfg: Config, device: torch.device) -> GuardedAdamW:
+def build_optimizer(objective: nn.Module, cfg: Config, device: torch.device) -> Guarded:
     """AdamW with no weight decay on biases, norm weights and the objective's `no_weight_decay()` names; with
     `optim.layer_decay` < 1, groups carry an `lr_scale` per depth from the objective's timm `group_matcher`."""
     skip = objective.no_weight_decay() if hasattr(objective, "no_weight_decay") else set()
@@ -115,9 +127,14 @@ def build_optimizer(objective: nn.Module, cfg: Config, device: torch.device) -> 
         )
     else:
         groups = param_groups_weight_decay(objective, weight_decay=o.weight_decay, no_weight_decay_list=skip)
+    groups = [g for g in groups if any(p.requires_grad for p in g["params"])]  # a frozen encoder (linear probe)
+    if o.kind == "sgd":
+        return GuardedSGD(groups, lr=cfg.peak_lr, momentum=o.momentum)
+    if o.kind == "lars":
+        return GuardedLars(groups, lr=cfg.peak_lr, momentum=o.momentum)
     # The fused kernel updates in one pass with no temporaries; the default CPU path allocates several
     # parameter-sized buffers per step, which costs more than the arithmetic on big flat ZeRO partitions.
-    return GuardedAdamW(groups, lr=cfg.peak_lr, betas=cfg.optim.betas, eps=cfg.optim.eps, fused=True)
+    return GuardedAdamW(groups, lr=cfg.peak_lr, betas=o.betas, eps=o.eps, fused=True)
 
 
 def set_attention(module: nn.Module, kind: str, device: torch.device) -> str:
@@ -142,7 +159,7 @@ def parallelize(objective: nn.Module, *, cfg: Config, dist: DistInfo, run_dir: P
     """Wrap `objective` in a DeepSpeed engine on `dist.device`; writes `run_dir/deepspeed.json` on rank 0.
 
     Returns:
-        (engine, optimizer): the DeepSpeed engine and the GuardedAdamW it steps.
+        (engine, optimizer): the DeepSpeed engine and the Guarded optimizer it steps.
     """
     import deepspeed
 

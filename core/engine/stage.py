@@ -91,7 +91,14 @@ def start_engine(run: StageRun, objective: nn.Module):
 
 
 def run_loop(
-    run: StageRun, engine, optimizer, batches, *, evaluate: Callable | None = None, log_images: Callable | None = None
+    run: StageRun,
+    engine,
+    optimizer,
+    batches,
+    *,
+    evaluate: Callable | None = None,
+    log_images: Callable | None = None,
+    after_update: Callable | None = None,
 ) -> int:
     """The training loop; returns the process exit code (3 after too many non-finite losses)."""
     try:
@@ -109,6 +116,7 @@ def run_loop(
             config_yaml=run.config_yaml,
             evaluate=evaluate,
             log_images=log_images,
+            after_update=after_update,
         )
     except NonFiniteLossError as err:
         run.logger.console(f"[mimpipe] {err}")
@@ -178,19 +186,20 @@ def train_stream(cfg: Config, dist: DistInfo, transform, *, skip_batches: int):
     )
 
 
-def build_model(cfg: Config, num_classes: int = 0) -> nn.Module:
-    """The timm ViT the recipe describes."""
+def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> nn.Module:
+    """The timm ViT the recipe describes (DeiT's distilled variant when fine-tuning with `distill`, unless `plain`)."""
     m = cfg.model
     return build_vit(
         m.size,
         img_size=m.img_size,
         patch_size=m.patch_size,
         num_classes=num_classes,
-        global_pool=m.global_pool,
+        global_pool="token" if m.global_pool == "auto" else m.global_pool,  # fine-tuning resolves auto first
         drop_path_rate=m.drop_path_rate,
         embed_dim=m.embed_dim,
         depth=m.depth,
         num_heads=m.num_heads,
+        distilled=not plain and cfg.stage == "finetune" and cfg.distill.kind != "none",
         **({"init_values": m.layer_scale_init} if m.layer_scale_init is not None else {}),
     )
 

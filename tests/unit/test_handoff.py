@@ -6,8 +6,10 @@ import pytest
 import safetensors.torch
 import timm
 import torch
+from timm.layers import resample_patch_embed
 
 from core.engine.export import export_model
+from core.models import sincos_pos_embed_2d
 from finetune.handoff import load_encoder
 
 
@@ -16,16 +18,22 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def tiny_vit(img_size=28, global_pool="token", num_classes=0, embed_dim=64, depth=2, patch_size=4, seed=0):
+def tiny_vit(img_size=28, global_pool="token", num_classes=0, embed_dim=64, depth=2, patch_size=4, seed=0, in_chans=3):
     torch.manual_seed(seed)
-    args = dict(img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=4)
+    args = dict(
+        img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=4, in_chans=in_chans
+    )
     return timm.create_model(
         "vit_tiny_patch16_224", pretrained=False, num_classes=num_classes, global_pool=global_pool, **args
     ).eval()
 
 
 def export_folder(model, out_dir):
-    args = dict(img_size=model.patch_embed.img_size, patch_size=model.patch_embed.patch_size[0])
+    args = dict(
+        img_size=model.patch_embed.img_size,
+        patch_size=model.patch_embed.patch_size[0],
+        in_chans=model.patch_embed.proj.in_channels,
+    )
     return export_model(model, out_dir, model_args=args, manifest={"method": "mae", "step": 7})
 
 
@@ -65,6 +73,7 @@ def test_same_grid_loads_every_tensor_unchanged_and_head_gives_zero_logits(tmp_p
     assert report.initialised == ["head.weight", "head.bias"]
     assert report.loaded == list(source.state_dict())
     assert report.manifest["step"] == 7 and report.source == str(folder / "model.safetensors")
+    assert report.checkpoint_format == "mimpipe-export" and report.head_init == "zero weight and bias"
     for key, tensor in source.state_dict().items():
         assert torch.equal(model.state_dict()[key], tensor), key
     with torch.no_grad():
@@ -171,9 +180,9 @@ def test_head_init_keep_leaves_timm_init(tmp_path):
         ({"depth": 2}, {"depth": 3}, ["missing encoder key blocks.2.attn.qkv.weight: model (192, 64)"]),
         ({"depth": 3}, {"depth": 2}, ["unexpected encoder key blocks.2.mlp.fc1.weight: checkpoint (256, 64)"]),
         (
-            {"patch_size": 4},
-            {"patch_size": 7},
-            ["patch_embed.proj.weight: checkpoint (64, 3, 4, 4) vs model (64, 3, 7, 7)"],
+            {"in_chans": 3},
+            {"in_chans": 1},
+            ["patch_embed.proj.weight: checkpoint (64, 3, 4, 4) vs model (64, 1, 4, 4)"],
         ),
     ],
 )
@@ -199,8 +208,138 @@ def test_bare_file_with_non_square_grid_and_no_config_is_an_error(tmp_path):
         load_encoder(tiny_vit(num_classes=10), tmp_path / "mae.safetensors")
 
 
-@pytest.mark.parametrize("name", ["missing", "weights.pth"])
-def test_paths_that_are_not_safetensors_are_refused(tmp_path, name):
+def test_missing_path_and_unreadable_pickle_are_refused(tmp_path):
     (tmp_path / "weights.pth").write_bytes(b"not loaded")
-    with pytest.raises(ValueError, match="neither an export folder nor a .safetensors file"):
-        load_encoder(tiny_vit(num_classes=10), tmp_path / name)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_encoder(tiny_vit(num_classes=10), tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"weights.pth is not a readable PyTorch checkpoint"):
+        load_encoder(tiny_vit(num_classes=10), tmp_path / "weights.pth")
+
+
+def bare_file(model, path):
+    """The model's encoder tensors as a bare .safetensors file (no config.json: grids come from the tensors)."""
+    safetensors.torch.save_file({k: v.clone() for k, v in model.state_dict().items()}, path)
+    return path
+
+
+def test_patch_size_change_8_to_4_resamples_kernel_and_grid(tmp_path):
+    source = tiny_vit(img_size=32, patch_size=8)  # 4x4 grid
+    path = bare_file(source, tmp_path / "p8.safetensors")
+    model = tiny_vit(img_size=32, patch_size=4, num_classes=10, seed=1)  # 8x8 grid
+
+    report = load_encoder(model, path)
+
+    assert report.resized == [("patch_embed.proj.weight", (8, 8), (4, 4)), ("pos_embed", (4, 4), (8, 8))]
+    assert report.resize_method == {
+        "patch_embed.proj.weight": "resample_patch_embed",
+        "pos_embed": "bicubic interpolation",
+    }
+    expected = resample_patch_embed(source.patch_embed.proj.weight.detach(), [4, 4])
+    torch.testing.assert_close(model.patch_embed.proj.weight.detach(), expected)
+    assert torch.equal(model.patch_embed.proj.bias, source.patch_embed.proj.bias)
+    text = report.format()
+    assert "patch_embed.proj.weight 8x8 -> 4x4 (resample_patch_embed)" in text
+    assert "pos_embed 4x4 -> 8x8 (bicubic interpolation)" in text
+    assert json.loads(json.dumps(report.as_dict()))["resized"][0] == ["patch_embed.proj.weight", [8, 8], [4, 4]]
+    with torch.no_grad():
+        out = model.forward_features(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 65, 64) and torch.isfinite(out).all()
+
+
+def test_upsampled_kernel_sees_upsampled_patches_as_the_original(tmp_path):
+    """FlexiViT's property: a 4x4 kernel resampled to 8x8 gives the same embedding for each patch resized to 8x8."""
+    source = tiny_vit(img_size=16, patch_size=4)  # 4x4 grid
+    model = tiny_vit(img_size=32, patch_size=8, num_classes=10, seed=1)  # 4x4 grid, no pos_embed resize
+    report = load_encoder(model, bare_file(source, tmp_path / "p4.safetensors"))
+    assert [key for key, _, _ in report.resized] == ["patch_embed.proj.weight"]
+
+    patches = torch.randn(16, 3, 4, 4)  # one image's 4x4 grid of patches
+    big = torch.nn.functional.interpolate(patches, size=(8, 8), mode="bicubic", antialias=True)  # (16, 3, 8, 8)
+    with torch.no_grad():
+        small_out = source.patch_embed.proj(patches)  # (16, D, 1, 1)
+        big_out = model.patch_embed.proj(big)
+    torch.testing.assert_close(big_out, small_out, atol=1e-4, rtol=1e-4)
+
+
+def test_patch_size_change_keeps_a_non_square_grid_without_config(tmp_path):
+    source = tiny_vit(img_size=(24, 40), patch_size=8)  # 3x5 grid, bare file: no config.json
+    model = tiny_vit(img_size=(24, 40), patch_size=4, num_classes=10, seed=1)  # 6x10 grid
+
+    report = load_encoder(model, bare_file(source, tmp_path / "p8.safetensors"))
+
+    assert report.resized == [("patch_embed.proj.weight", (8, 8), (4, 4)), ("pos_embed", (3, 5), (6, 10))]
+
+
+@pytest.mark.parametrize(("img_size", "grid"), [(32, (8, 8)), ((24, 40), (6, 10))])
+def test_sincos_regenerates_pos_embed_for_the_new_grid(tmp_path, img_size, grid):
+    mae_checkpoint(tiny_vit(), tmp_path / "mae.safetensors", pos_embed=ramp_pos_embed(7, 7))
+    model = tiny_vit(img_size=img_size, num_classes=10)
+
+    report = load_encoder(model, tmp_path / "mae.safetensors", pos_embed_resize="sincos")
+
+    assert report.resized == [("pos_embed", (7, 7), grid)]
+    assert report.resize_method == {"pos_embed": "sin-cos regenerated"}
+    assert torch.equal(model.pos_embed.detach(), sincos_pos_embed_2d(64, grid, num_prefix_tokens=1))
+    assert f"pos_embed 7x7 -> {grid[0]}x{grid[1]} (sin-cos regenerated)" in report.format()
+
+
+def test_sincos_leaves_an_unchanged_grid_as_loaded(tmp_path):
+    source = tiny_vit()
+    model = tiny_vit(num_classes=10, seed=1)
+
+    report = load_encoder(model, bare_file(source, tmp_path / "enc.safetensors"), pos_embed_resize="sincos")
+
+    assert report.resized == [] and "pos_embed" in report.loaded
+    assert torch.equal(model.pos_embed, source.pos_embed)
+
+
+def test_trunc_normal_head_has_the_requested_std_and_zero_bias(tmp_path):
+    folder = export_folder(tiny_vit(), tmp_path / "export")
+    model = tiny_vit(num_classes=2000, seed=1)  # 2000 x 64 weights: the sample std is within a few percent
+
+    report = load_encoder(model, folder, head_init="trunc_normal", head_init_std=2e-5)
+
+    std = model.head.weight.detach().std().item()
+    assert abs(std - 2e-5) < 0.03 * 2e-5
+    assert torch.equal(model.head.bias, torch.zeros(2000))
+    assert report.head_init == "trunc_normal(std=2e-05), zero bias" and "head: trunc_normal" in report.format()
+
+
+def test_keep_head_loads_the_checkpoint_classifier(tmp_path):
+    state = mae_checkpoint(tiny_vit(), tmp_path / "mae.safetensors")  # carries a 5-class head
+    model = tiny_vit(num_classes=5, seed=1)
+
+    report = load_encoder(model, tmp_path / "mae.safetensors", keep_head=True)
+
+    assert report.initialised == [] and {"head.weight", "head.bias"} <= set(report.loaded)
+    assert "head.weight" not in report.dropped and report.head_init == "loaded from the checkpoint"
+    assert torch.equal(model.head.weight, state["head.weight"]) and torch.equal(model.head.bias, state["head.bias"])
+
+
+@pytest.mark.parametrize(
+    ("num_classes", "with_head", "expected"),
+    [
+        (10, True, r"head.weight: checkpoint \(5, 64\) vs model \(10, 64\)"),
+        (10, False, r"missing encoder key head.weight: model \(10, 64\)"),
+    ],
+)
+def test_keep_head_needs_a_matching_head(tmp_path, num_classes, with_head, expected):
+    source = tiny_vit(num_classes=5 if with_head else 0)
+    path = bare_file(source, tmp_path / "classifier.safetensors")
+
+    with pytest.raises(ValueError, match=expected):
+        load_encoder(tiny_vit(num_classes=num_classes, seed=1), path, keep_head=True)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"head_init": "normal"}, "head_init must be one of"),
+        ({"head_init_std": 0.0}, "head_init_std must be positive"),
+        ({"pos_embed_resize": "bilinear"}, "pos_embed_resize must be one of"),
+    ],
+)
+def test_unknown_options_are_errors(tmp_path, options, expected):
+    folder = export_folder(tiny_vit(), tmp_path / "export")
+    with pytest.raises(ValueError, match=expected):
+        load_encoder(tiny_vit(num_classes=10), folder, **options)

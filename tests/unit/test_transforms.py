@@ -1,5 +1,7 @@
 """Transforms alone: output shape and dtype, normalisation values, crop geometry, flips, seeding."""
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -112,3 +114,68 @@ def test_with_mask_adds_the_generator_output():
     transform = WithMask(eval_transform(8, IMAGENET_MEAN, IMAGENET_STD), lambda: torch.ones(2, 2, dtype=torch.bool))
     out = transform(_halves(16))
     assert set(out) == {"image", "mask"} and out["image"].shape == (3, 8, 8) and out["mask"].all()
+
+
+def _seed_like_the_pipeline(seed: int) -> None:
+    """Seeds the global torch, python and numpy RNGs, as data/pipeline.py does before each sample's transform."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _noise(height: int = 48, width: int = 40) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(2).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("policy", [None, "rand-m9-mstd0.5-inc1", "original", "augmix-m5-w4-d2"])
+@pytest.mark.parametrize(("img_size", "shape"), [(24, (3, 24, 24)), ((16, 28), (3, 16, 28))])
+def test_finetune_augmented_shape_and_dtype(policy, img_size, shape):
+    transform = finetune_train_transform(img_size, IMAGENET_MEAN, IMAGENET_STD, auto_augment=policy, re_prob=0.5)
+    for seed in range(3):
+        _seed_like_the_pipeline(seed)
+        out = transform(_noise())
+        assert out.shape == shape and out.dtype == torch.float32 and out.isfinite().all()
+
+
+@pytest.mark.parametrize("policy", ["rand-m9-mstd0.5-inc1", "original"])
+def test_auto_augment_changes_images_reproducibly_under_the_pipeline_seeds(policy):
+    plain = finetune_train_transform(24, IMAGENET_MEAN, IMAGENET_STD)
+    augmented = finetune_train_transform(24, IMAGENET_MEAN, IMAGENET_STD, auto_augment=policy)
+    image, num_changed = _noise(), 0
+    for seed in range(12):
+        _seed_like_the_pipeline(seed)
+        reference = plain(image)
+        _seed_like_the_pipeline(seed)
+        first = augmented(image)
+        random.random(), np.random.rand(), torch.rand(())  # move every RNG on before reseeding
+        _seed_like_the_pipeline(seed)
+        assert torch.equal(first, augmented(image)), seed  # the policy draws from the seeded global RNGs only
+        num_changed += not torch.equal(first, reference)  # same seed, same crop: any difference is the policy's
+    assert num_changed >= 6  # ops are skipped with some probability, and some change nothing: a few images pass
+
+
+def test_auto_augment_rejects_unknown_policies():
+    with pytest.raises(ValueError, match="not-a-policy"):
+        finetune_train_transform(16, IMAGENET_MEAN, IMAGENET_STD, auto_augment="not-a-policy")
+    with pytest.raises(ValueError, match="rand-q9"):
+        finetune_train_transform(16, IMAGENET_MEAN, IMAGENET_STD, auto_augment="rand-q9")
+
+
+def test_random_erasing_replaces_one_box_with_noise():
+    colour = (200, 100, 30)
+    image = Image.new("RGB", (40, 40), colour)
+    clean = finetune_train_transform(32, IMAGENET_MEAN, IMAGENET_STD)(image)  # (3, 32, 32), one value per channel
+    erase = finetune_train_transform(32, IMAGENET_MEAN, IMAGENET_STD, re_prob=1.0)
+    for seed in range(10):
+        _seed_like_the_pipeline(seed)
+        changed = (erase(image) - clean).abs().amax(dim=0) > 1e-4  # (32, 32): pixels no longer the image's colour
+        rows, cols = changed.any(dim=1).nonzero()[:, 0], changed.any(dim=0).nonzero()[:, 0]
+        box = changed[rows.min() : rows.max() + 1, cols.min() : cols.max() + 1]
+        assert box.all(), seed  # the changed pixels fill one rectangle
+        assert 0.02 * 32 * 32 * 0.8 <= box.numel() <= 32 * 32 / 3 * 1.2, seed  # timm's default area range
+    never = finetune_train_transform(32, IMAGENET_MEAN, IMAGENET_STD, re_prob=0.0)
+    for seed in range(10):
+        _seed_like_the_pipeline(seed)
+        torch.testing.assert_close(never(image), clean, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="re_prob"):
+        finetune_train_transform(32, IMAGENET_MEAN, IMAGENET_STD, re_prob=1.5)

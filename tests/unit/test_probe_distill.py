@@ -1,0 +1,103 @@
+"""Linear probe (frozen encoder, foldable BN head), the EMA of weights, and DeiT distillation losses."""
+
+import math
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+from core.models import build_vit
+from finetune.classification import Classification
+from finetune.distillation import Distillation, distillation_loss, to_distilled
+from finetune.probe_ema import WeightEMA, fold_probe_head, make_linear_probe
+
+
+def _vit(distilled: bool = False, seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    args = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+    return build_vit("tiny", distilled=distilled, **(args | kwargs))
+
+
+def test_linear_probe_trains_only_the_head_and_folds_exactly():
+    model = make_linear_probe(_vit(global_pool="avg"))
+    objective = Classification(model)
+    encoder_before = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("head.")}
+    optimizer = torch.optim.SGD([p for p in objective.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    for _ in range(3):
+        batch = {"image": torch.randn(8, 3, 16, 16), "label": torch.randint(0, 5, (8,))}
+        objective(batch)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in encoder_before.items())  # encoder frozen
+    assert {n for n, p in objective.named_parameters() if p.requires_grad} == {
+        "model.head.1.weight",
+        "model.head.1.bias",
+    }
+    model.eval()
+    images = torch.randn(4, 3, 16, 16)
+    plain = _vit(global_pool="avg")
+    plain.load_state_dict(fold_probe_head(model.state_dict()), strict=True)
+    plain.eval()
+    torch.testing.assert_close(plain(images), model(images), rtol=1e-4, atol=1e-5)
+
+
+def test_ema_follows_the_hand_computed_average():
+    model = torch.nn.Linear(2, 1)
+    ema = WeightEMA(model, decay=0.75)
+    start = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(4.0)
+    ema.update(model)
+    torch.testing.assert_close(ema.module.weight, start + 0.25 * 4.0)  # 0.75 * w0 + 0.25 * (w0 + 4)
+    assert not any(p.requires_grad for p in ema.parameters())
+    ema.train()
+    assert not ema.module.training
+
+
+def test_soft_and_hard_distillation_losses_on_hand_values():
+    dist_logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+    teacher = torch.tensor([[0.0, 2.0], [0.0, 3.0]])
+    assert math.isclose(
+        distillation_loss(dist_logits, teacher, kind="hard", tau=1.0).item(),
+        F.cross_entropy(dist_logits, torch.tensor([1, 1])).item(),
+        rel_tol=1e-6,
+    )
+    tau = 2.0
+    p_t = F.softmax(teacher / tau, -1)
+    kl = (p_t * (p_t.log() - F.log_softmax(dist_logits / tau, -1))).sum()
+    expected = kl * tau**2 / dist_logits.numel()  # DeiT: summed KL x tau^2 over the number of logits
+    assert math.isclose(
+        distillation_loss(dist_logits, teacher, kind="soft", tau=tau).item(), expected.item(), rel_tol=1e-5
+    )
+
+
+def test_distillation_objective_combines_the_two_losses_and_averages_heads_in_eval():
+    plain = _vit(seed=1)
+    student = _vit(distilled=True, seed=2)
+    new = to_distilled(plain, student)
+    assert set(new) == {"dist_token", "head_dist.weight", "head_dist.bias"}
+    torch.testing.assert_close(student.pos_embed[:, 1], plain.pos_embed[:, 0])  # dist position from the cls one
+    teacher = _vit(seed=3)
+    objective = Distillation(student, teacher, kind="hard", alpha=0.5)
+    batch = {"image": torch.randn(6, 3, 16, 16), "label": torch.randint(0, 5, (6,))}
+    out = objective(batch)
+    torch.testing.assert_close(out["loss"], 0.5 * out["loss_base"] + 0.5 * out["loss_teacher"])
+    out["loss"].backward()
+    assert student.head_dist.weight.grad is not None and student.head.weight.grad is not None
+    assert not any(p.grad is not None for p in teacher.parameters()) and "teacher" not in dict(
+        objective.named_modules()
+    )
+    objective.eval()
+    with torch.no_grad():
+        logits = objective(batch)["logits"]
+        student.set_distilled_training(False)
+        x = student.forward_features(batch["image"])
+        expected = (student.head(x[:, 0]) + student.head_dist(x[:, 1])) / 2
+    torch.testing.assert_close(logits, expected.float())
+
+
+def test_distillation_needs_a_distilled_student():
+    with pytest.raises(ValueError, match="distillation token"):
+        Distillation(_vit(), _vit(), kind="soft")
+    assert timm.is_model("deit_tiny_distilled_patch16_224")
