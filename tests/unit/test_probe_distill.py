@@ -7,10 +7,12 @@ import timm
 import torch
 import torch.nn.functional as F
 
+from core.config import load_config
 from core.models import build_vit
 from finetune.classification import Classification
 from finetune.distillation import Distillation, distillation_loss, to_distilled
 from finetune.probe_ema import WeightEMA, fold_probe_head, make_linear_probe
+from finetune.teacher import load_teacher
 
 
 def _vit(distilled: bool = False, seed: int = 0, **kwargs):
@@ -101,3 +103,33 @@ def test_distillation_needs_a_distilled_student():
     with pytest.raises(ValueError, match="distillation token"):
         Distillation(_vit(), _vit(), kind="soft")
     assert timm.is_model("deit_tiny_distilled_patch16_224")
+
+
+def test_teacher_from_a_bare_checkpoint_needs_its_architecture(tmp_path):
+    torch.manual_seed(0)
+    source = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=2, num_classes=5).eval()
+    torch.save(source.state_dict(), tmp_path / "teacher.pth")
+    overrides = [
+        "stage=finetune",
+        "model.img_size=32",
+        f"distill.teacher={tmp_path / 'teacher.pth'}",
+        "distill.kind=hard",
+    ]
+    with pytest.raises(ValueError, match="teacher_arch"):
+        load_teacher(load_config(None, overrides), 5, _Console(), torch.device("cpu"))
+    cfg = load_config(None, [*overrides, "distill.teacher_arch=vit_tiny_patch16_224"])
+    with pytest.raises(ValueError):  # depth 12 architecture vs a depth-2 checkpoint: named keys missing
+        load_teacher(cfg, 5, _Console(), torch.device("cpu"))
+    source12 = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=5).eval()
+    torch.save(source12.state_dict(), tmp_path / "teacher.pth")
+    teacher = load_teacher(cfg, 5, _Console(), torch.device("cpu"))
+    images = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(teacher(images), source12(images), rtol=1e-4, atol=1e-4)
+    assert not any(p.requires_grad for p in teacher.parameters())
+    with pytest.raises(ValueError, match=r"head.weight: checkpoint \(5, 192\) vs model \(7, 192\)"):
+        load_teacher(cfg, 7, _Console(), torch.device("cpu"))
+
+
+class _Console:
+    def console(self, text: str) -> None:
+        pass
