@@ -4,7 +4,7 @@
 # Environment (all optional):
 #   NPROC_PER_NODE  processes on this node (default: number of GPUs, or 1 on CPU)
 #   NNODES          number of nodes (default 1)       NODE_RANK    this node's rank (default 0)
-#   MASTER_ADDR     rank-0 host (default 127.0.0.1)   MASTER_PORT  its port (default 29500)
+#   MASTER_ADDR     rank-0 host (default 127.0.0.1)   MASTER_PORT  its port (default 29500; one node: a free port)
 #   PYTHON          interpreter (default: .venv/bin/python beside this script, else python3)
 set -euo pipefail
 
@@ -33,7 +33,11 @@ else nproc_per_node=1; fi
 nnodes="${NNODES:-1}"
 node_rank="${NODE_RANK:-0}"
 master_addr="${MASTER_ADDR:-127.0.0.1}"
-master_port="${MASTER_PORT:-29500}"
+if [[ -z "${MASTER_PORT:-}" && "$nnodes" -eq 1 ]]; then  # one node: any free port, so two runs can share a host
+    master_port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+else
+    master_port="${MASTER_PORT:-29500}"
+fi
 world_size=$((nnodes * nproc_per_node))
 
 # Validate the recipe and the batch split before any process starts.
