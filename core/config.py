@@ -393,9 +393,17 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def _merge(base: dict, top: dict) -> dict:
+    """`top` over `base`, section by section; a section whose `kind` changes is replaced, not merged (the keys of
+    the old kind would not fit the new one)."""
     out = dict(base)
     for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        below = out.get(key)
+        same_kind = (
+            isinstance(below, dict)
+            and isinstance(value, dict)
+            and value.get("kind", below.get("kind")) == below.get("kind")
+        )
+        out[key] = _merge(below, value) if same_kind else value
     return out
 
 

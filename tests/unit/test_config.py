@@ -137,3 +137,13 @@ def test_mask_kind_defaults_to_blockwise_and_budget():
     cfg = load_config(RECIPES[0].parent / "beit_vitb.yaml")
     assert cfg.objective.mask.budget(196) == 75 and cfg.peak_lr == 1.5e-3  # absolute lr, whatever the batch
     assert cfg.model.layer_scale_init == 0.1 and cfg.optim.grad_clip == 3.0
+
+
+def test_a_section_whose_kind_changes_is_replaced_not_merged(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("objective: {kind: beit, mask: {kind: blockwise, num_masked: 20, min_patches: 4}}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("base: base.yaml\nobjective: {mask: {kind: random, ratio: 0.3}}\n")
+    assert load_config(child).objective.mask.model_dump() == {"kind": "random", "ratio": 0.3}
+    child.write_text("base: base.yaml\nobjective: {mask: {min_patches: 2}}\n")  # same kind: merged
+    assert load_config(child).objective.mask.num_masked == 20 and load_config(child).objective.mask.min_patches == 2
