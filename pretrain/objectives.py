@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.config import BEiTObjective, BlockwiseMask, Config
+from core.config import Config
 from core.engine.stage import build_model
+from core.sections import BEiTObjective, BlockwiseMask
 from data.masking import BlockwiseMaskGenerator, RandomMaskGenerator
 from data.transforms import TwoViewCropFlip, WithMask, pretrain_transform
 from pretrain.beit import MaskedPatchPrediction

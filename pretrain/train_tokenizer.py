@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from core.config import Config, VQVAEObjective
+from core.config import Config
 from core.engine.distributed import all_reduce
 from core.engine.loop import autocast_context, to_device
 from core.engine.stage import (
@@ -20,6 +20,7 @@ from core.engine.stage import (
     start_engine,
     train_stream,
 )
+from core.sections import VQVAEObjective
 from data.pipeline import make_eval_loader, resolve_shards
 from data.transforms import eval_transform, pretrain_transform
 from pretrain.tokenizer import VQVAE, export_tokenizer, tokenizer_grid

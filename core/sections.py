@@ -1,0 +1,166 @@
+"""Recipe sections for the objectives (`objective: {kind: ...}`), the fine-tuning augmentation and distillation,
+and the strict base every section shares. core/config.py assembles them into the one typed tree."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class MAEObjective(Section):
+    kind: Literal["mae"] = "mae"
+    mask_ratio: float = Field(0.75, gt=0.0, lt=1.0)
+    norm_pix_loss: bool = True
+    decoder_embed_dim: int = Field(512, gt=0)
+    decoder_depth: int = Field(8, gt=0)
+    decoder_num_heads: int = Field(16, gt=0)
+
+
+class BlockwiseMask(Section):
+    """BEiT's block masking: rectangles of at least `min_patches` until `num_masked` patches are covered."""
+
+    kind: Literal["blockwise"] = "blockwise"
+    num_masked: int | None = Field(None, gt=0)
+    """Patches to mask per image (BEiT-B: 75 of 196); default round(0.4 x patches)."""
+    min_patches: int = Field(16, gt=0)
+    max_patches: int | None = Field(None, gt=0)
+    """Largest block; default num_masked."""
+    aspect_ratio: tuple[float, float] = (0.3, 1 / 0.3)
+    """Block height / width range, drawn log-uniformly."""
+    tries: int = Field(10, gt=0)
+    """Attempts to place each block."""
+
+    @model_validator(mode="after")
+    def _check_aspect(self) -> BlockwiseMask:
+        low, high = self.aspect_ratio
+        if not 0 < low <= high:
+            raise ValueError(f"aspect_ratio must satisfy 0 < low <= high, got {list(self.aspect_ratio)}")
+        return self
+
+    def budget(self, num_patches: int) -> int:
+        return self.num_masked if self.num_masked is not None else round(0.4 * num_patches)
+
+
+class RandomMask(Section):
+    """Uniformly random patches (the ViT paper's masked-patch prediction: 50%)."""
+
+    kind: Literal["random"] = "random"
+    ratio: float = Field(0.5, gt=0.0, lt=1.0)
+
+    def budget(self, num_patches: int) -> int:
+        return round(self.ratio * num_patches)
+
+
+def _mask_kind(value: Any) -> str | None:
+    """The mask section's `kind`, blockwise when the recipe leaves it out."""
+    return value.get("kind", "blockwise") if isinstance(value, dict) else getattr(value, "kind", None)
+
+
+Mask = Annotated[
+    Annotated[BlockwiseMask, Tag("blockwise")] | Annotated[RandomMask, Tag("random")], Discriminator(_mask_kind)
+]
+
+
+class TargetConfig(Section):
+    """What a masked patch is asked to predict."""
+
+    kind: Literal["mean_color_3bit", "color_3bit_4x4", "pixels_l2", "tokenizer"] = "mean_color_3bit"
+    """mean_color_3bit: the patch's mean RGB at 3 bits per channel (512 classes, the ViT paper's best);
+    color_3bit_4x4: 16 cells of 512 classes; pixels_l2: L2 regression on the patch; tokenizer: code indices."""
+    path: str | None = None
+    """tokenizer: the exported tokenizer folder (RUN_DIR/export of a `stage: tokenizer` run)."""
+    norm_pix: bool = False
+    """pixels_l2: standardise each target patch by its own mean and variance (MAE's norm_pix_loss)."""
+
+    @model_validator(mode="after")
+    def _check_path(self) -> TargetConfig:
+        if self.kind == "tokenizer" and not self.path:
+            raise ValueError("target kind 'tokenizer' needs objective.target.path (a tokenizer export folder)")
+        return self
+
+
+class BEiTObjective(Section):
+    """Masked-patch prediction over all patches (BEiT, and the ViT paper's variant with colour targets)."""
+
+    kind: Literal["beit"] = "beit"
+    mask: Mask = BlockwiseMask()
+    corruption: Literal["mask_token", "mixed"] = "mask_token"
+    """mask_token: every selected patch becomes the mask token (BEiT); mixed: 80% mask token, 10% another random
+    patch's embedding, 10% unchanged (the ViT paper). The loss covers every selected patch."""
+    target: TargetConfig = TargetConfig()
+    head: Literal["linear", "mlp"] = "linear"
+
+
+class VQVAEObjective(Section):
+    """The image tokenizer trained by `stage: tokenizer`: a VQ-VAE with an EMA codebook and dead-code restarts."""
+
+    kind: Literal["vqvae"] = "vqvae"
+    img_size: int | tuple[int, int] = 112
+    """The tokenizer's input resolution (BEiT: a 112 px view for a 224 px / patch 16 encoder)."""
+    downsample: int = Field(8, gt=1)
+    """Pixels per code along each side (a power of two); grid = img_size / downsample."""
+    codebook_size: int = Field(8192, gt=1)
+    code_dim: int = Field(32, gt=0)
+    hidden_dim: int = Field(128, gt=0)
+    commitment: float = Field(0.25, ge=0.0)
+    ema_decay: float = Field(0.99, gt=0.0, lt=1.0)
+    dead_code_threshold: float = Field(1.0, ge=0.0)
+    """A code whose EMA usage count falls below this is restarted next to a busy one."""
+
+
+class ClassificationObjective(Section):
+    kind: Literal["classification"] = "classification"
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    """Applied by Mixup/CutMix to its soft targets when they are on, else by the cross-entropy."""
+    mode: Literal["finetune", "linear_probe"] = "finetune"
+    """linear_probe: frozen encoder, BatchNorm1d(affine=False) + linear head on the pooled features (MAE)."""
+
+
+class AugmentConfig(Section):
+    """Fine-tuning augmentation and regularisation (timm's implementations), applied on the training stream."""
+
+    hflip: float = Field(0.5, ge=0.0, le=1.0)
+    auto_augment: str | None = None
+    """timm RandAugment / AutoAugment policy string, e.g. `rand-m9-mstd0.5-inc1` (MAE fine-tuning)."""
+    re_prob: float = Field(0.0, ge=0.0, le=1.0)
+    """Random erasing probability (MAE: 0.25), pixel mode, one box."""
+    mixup: float = Field(0.0, ge=0.0)
+    """Mixup alpha (MAE: 0.8); 0 turns it off."""
+    cutmix: float = Field(0.0, ge=0.0)
+    """CutMix alpha (MAE: 1.0); 0 turns it off."""
+    mix_prob: float = Field(1.0, ge=0.0, le=1.0)
+    """Probability of applying mixup or cutmix to a batch."""
+    mix_switch_prob: float = Field(0.5, ge=0.0, le=1.0)
+    """With both on: probability of cutmix instead of mixup."""
+
+
+class DistillConfig(Section):
+    """DeiT distillation: a distillation token and head trained against a frozen teacher's outputs."""
+
+    kind: Literal["none", "soft", "hard"] = "none"
+    """soft: KL to the teacher's softened output at temperature `tau`, scaled by tau^2; hard: cross-entropy on the
+    teacher's argmax. Each of the two losses (true labels, teacher) is weighted 1/2 (DeiT)."""
+    teacher: str | None = None
+    """Teacher weights: any checkpoint `model.init` accepts (with its classifier head)."""
+    teacher_arch: str | None = None
+    """timm architecture of the teacher when `teacher` is a bare state dict (e.g. `vit_small_patch16_224`)."""
+    tau: float = Field(3.0, gt=0.0)
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    """Weight of the teacher loss (DeiT: 1/2)."""
+
+    @model_validator(mode="after")
+    def _check_teacher(self) -> DistillConfig:
+        if self.kind != "none" and not self.teacher:
+            raise ValueError(f"distill.kind {self.kind!r} needs distill.teacher (a checkpoint path)")
+        return self
+
+
+Objective = Annotated[
+    MAEObjective | BEiTObjective | VQVAEObjective | ClassificationObjective, Field(discriminator="kind")
+]
+OBJECTIVES_BY_STAGE = {"pretrain": ("mae", "beit"), "finetune": ("classification",), "tokenizer": ("vqvae",)}
