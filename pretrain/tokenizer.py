@@ -21,8 +21,6 @@ Shape legend:
 from __future__ import annotations
 
 import json
-import secrets
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -32,7 +30,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from core.engine.export import check_replaceable, fsync_path, swap_in
+from core.engine.export import atomic_folder, check_replaceable
 
 MANIFEST_NAME = "mimpipe.json"
 WEIGHTS_NAME = "tokenizer.safetensors"
@@ -340,18 +338,9 @@ def export_tokenizer(model: VQVAE, out_dir: str | Path, *, manifest: dict) -> Pa
     manifest_text = json.dumps(full_manifest, indent=2) + "\n"  # fails before anything is written
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}  # the counter stays int64
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
-    tmp_dir.mkdir()
-    try:
+    with atomic_folder(out_dir) as tmp_dir:
         safetensors.torch.save_file(tensors, tmp_dir / WEIGHTS_NAME, metadata={"format": "pt"})
         (tmp_dir / MANIFEST_NAME).write_text(manifest_text)
-        for path in (tmp_dir / WEIGHTS_NAME, tmp_dir / MANIFEST_NAME, tmp_dir):
-            fsync_path(path)
-        swap_in(tmp_dir, out_dir)
-    finally:
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir)
     return out_dir
 
 

@@ -12,6 +12,7 @@ verified, so a crash leaves either the previous export or the new one, never a h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -70,22 +71,31 @@ def export_model(
     overlay = _pretrained_cfg_overlay(data_config)
     arch_args = {k: v for k, v in model_args.items() if not k.endswith("drop_rate") and k != "drop_path_rate"}
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
-    tmp_dir.mkdir()  # the usual umask permissions, unlike tempfile.mkdtemp's 0o700
-    try:
+    with atomic_folder(out_dir) as tmp_dir:
         safetensors.torch.save_file(tensors, tmp_dir / WEIGHTS_NAME, metadata={"format": "pt"})
         save_config_for_hf(model, tmp_dir / CONFIG_NAME, model_config={"pretrained_cfg": overlay}, model_args=arch_args)
         (tmp_dir / MANIFEST_NAME).write_text(json.dumps(full_manifest, indent=2) + "\n")
         _check_rebuilds(model, tmp_dir, tensors)
-        for name in (WEIGHTS_NAME, CONFIG_NAME, MANIFEST_NAME):
-            fsync_path(tmp_dir / name)
+    return out_dir
+
+
+@contextlib.contextmanager
+def atomic_folder(out_dir: Path):
+    """Yields an empty temporary folder beside `out_dir`; when the block succeeds its files are fsynced and it
+    replaces `out_dir` in one rename (an earlier export is moved aside first); on failure it is removed and
+    `out_dir` is untouched. So a crash never leaves a half-written export."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
+    tmp_dir.mkdir()  # the usual umask permissions, unlike tempfile.mkdtemp's 0o700
+    try:
+        yield tmp_dir
+        for path in sorted(tmp_dir.iterdir()):
+            fsync_path(path)
         fsync_path(tmp_dir)
         swap_in(tmp_dir, out_dir)
     finally:
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir)
-    return out_dir
 
 
 def check_replaceable(out_dir: Path) -> None:
