@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torchvision.transforms.functional as TF
 from PIL import Image
-from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
+from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, posterize, rand_augment_transform
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.data.random_erasing import RandomErasing
 from torchvision import transforms as T
@@ -93,12 +93,24 @@ def _augment_policy(policy: str, min_side: int, mean: Sequence[float]) -> Callab
     }
     try:
         if policy.startswith("rand"):
-            return rand_augment_transform(policy, hparams)
-        if policy.startswith("augmix"):
-            return augment_and_mix_transform(policy, {**hparams, "translate_pct": 0.3})
-        return auto_augment_transform(policy, hparams)
+            transform = rand_augment_transform(policy, hparams)
+        elif policy.startswith("augmix"):
+            transform = augment_and_mix_transform(policy, {**hparams, "translate_pct": 0.3})
+        else:
+            transform = auto_augment_transform(policy, hparams)
     except (AssertionError, KeyError, ValueError) as error:  # timm checks policy strings with asserts
         raise ValueError(f"auto_augment {policy!r} is not a valid timm policy: {error}") from error
+    ops = list(getattr(transform, "ops", [])) + [op for sub in getattr(transform, "policy", []) for op in sub]
+    for op in ops:
+        if op.name.startswith("Posterize"):
+            op.aug_fn = _posterize_at_least_1_bit
+    return transform
+
+
+def _posterize_at_least_1_bit(img: Image.Image, bits_to_keep: int, **kwargs) -> Image.Image:
+    """timm's posterize asks for 0 bits at the top magnitude (`PosterizeIncreasing` at m10, reached by m9 with
+    mstd0.5), which Pillow >= 11 rejects; one bit is the same picture at the extreme of the range."""
+    return posterize(img, max(1, bits_to_keep), **kwargs)
 
 
 def eval_transform(
