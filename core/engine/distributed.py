@@ -43,7 +43,14 @@ def pick_device(preference: str) -> torch.device:
 
 
 def init_distributed(device_preference: str, timeout_s: int = 600) -> DistInfo:
-    """Initialise DeepSpeed's process group (NCCL on GPU, gloo on CPU) and return this process's place in it."""
+    """Initialise DeepSpeed's process group (NCCL on GPU, gloo on CPU) and return this process's place in it.
+
+    Args:
+        device_preference: `engine.device`: "auto", "cuda" or "cpu".
+        timeout_s: How long any collective may wait for the other ranks before it raises: the bound on a hang when
+            a rank dies without its peers' connections dropping (a lost node). gloo enforces it per operation, NCCL
+            through its watchdog. A rank that crashes on a live host fails its peers' collectives at once.
+    """
     device = pick_device(device_preference)
     # DeepSpeed picks its accelerator at import time from this variable; set it before the first import.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")

@@ -2,7 +2,8 @@
 
 Per optimizer step: set the lr, run `grad_accum_steps` micro-steps (forward under autocast, backward), check that
 the loss is finite on every rank, step (or veto the update), then log / evaluate / checkpoint every N steps.
-`.item()` only happens where logging does, plus one small all-reduce per step for the finite check.
+`.item()` only happens where logging does, plus one small all-reduce per step, which carries both the finite check
+and whether any rank was asked to stop (SIGTERM, see core/engine/preempt.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from core.config import Config
+from core.engine import preempt
 from core.engine.checkpoint import save_checkpoint
 from core.engine.distributed import DistInfo, all_reduce
 from core.engine.schedule import lr_at
@@ -25,6 +27,10 @@ from core.logging import MetricsLogger
 
 class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss."""
+
+
+class PreemptedError(RuntimeError):
+    """A rank received SIGTERM: every rank stopped after the same step and saved a checkpoint of it."""
 
 
 @dataclass
@@ -102,7 +108,12 @@ def train(
     log_images: Callable[[int], None] | None = None,
     after_update: Callable[[int], None] | None = None,
 ) -> TrainState:
-    """Run optimizer steps `state.step + 1 .. total_steps`; returns the final state (also checkpointed)."""
+    """Run optimizer steps `state.step + 1 .. total_steps`; returns the final state (also checkpointed).
+
+    Raises:
+        NonFiniteLossError: After `engine.max_consecutive_nonfinite` non-finite steps in a row.
+        PreemptedError: After the step during which some rank received SIGTERM, once its checkpoint is saved.
+    """
     accum, precision, device = cfg.engine.grad_accum_steps, cfg.engine.precision, dist.device
     micro_batch = cfg.batch_size_per_device(dist.world_size)
     window = _Window(device)
@@ -129,7 +140,8 @@ def train(
             if micro < accum - 1:
                 engine.step()  # DeepSpeed only accumulates here; the optimizer runs at the boundary below
                 continue
-            skip = _nonfinite_step(step_loss, precision, state, cfg, step)
+            skip, stop = _agree_on_step(step_loss, precision, state, cfg, step)
+            log_now = log_now or stop  # the last step before a preemption is logged too
             with optimizer.guard(skip=skip, measure=log_now):
                 engine.step()
             if after_update is not None and not skip:
@@ -146,17 +158,11 @@ def train(
             )
             logger.scalars(step, values)
             logger.progress(step, values)
-        if (
-            log_images is not None
-            and cfg.logging.image_every_steps
-            and (step % cfg.logging.image_every_steps == 0 or step in (first_step, total_steps))
-        ):
-            log_images(step)
-        if evaluate is not None and cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total_steps:
-            logger.scalars(step, evaluate(step))
+        if not stop:  # a preempted run has seconds left (torchrun's and SLURM's grace): only the checkpoint counts
+            _periodic_extras(cfg, step, first_step, total_steps, logger, evaluate, log_images)
         state.step = step
-        if step % cfg.checkpoint.every_steps == 0 or step == total_steps:
-            save_checkpoint(
+        if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:
+            tag_dir = save_checkpoint(
                 engine,
                 run_dir=run_dir,
                 step=step,
@@ -165,6 +171,11 @@ def train(
                 config_yaml=config_yaml,
                 keep_last=cfg.checkpoint.keep_last,
             )
+        if stop:
+            raise PreemptedError(
+                f"preempted: SIGTERM received, stopped after step {step} of {total_steps} with checkpoint {tag_dir}; "
+                f"launch the same command again to resume from it"
+            )
         if step == first_step:
             logger.mark_start(step)  # keep the first step's one-off set-up cost out of the ETA
     if evaluate is not None:
@@ -172,12 +183,28 @@ def train(
     return state
 
 
-def _nonfinite_step(step_loss, precision: str, state: TrainState, cfg: Config, step: int) -> bool:
-    """All ranks agree whether any had a non-finite loss; returns whether to skip the update (on all of them)."""
-    bad = all_reduce((~torch.isfinite(step_loss)).float())
-    if bad.item() == 0:
+def _periodic_extras(cfg: Config, step: int, first_step: int, total_steps: int, logger, evaluate, log_images) -> None:
+    """Pictures every `logging.image_every_steps` (and at the first and last step), evaluation every `eval.every_steps`
+    (the final one runs after the loop)."""
+    image_every = cfg.logging.image_every_steps
+    if log_images is not None and image_every and (step % image_every == 0 or step in (first_step, total_steps)):
+        log_images(step)
+    if evaluate is not None and cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total_steps:
+        logger.scalars(step, evaluate(step))
+
+
+def _agree_on_step(step_loss, precision: str, state: TrainState, cfg: Config, step: int) -> tuple[bool, bool]:
+    """All ranks agree, in one all-reduce, whether any had a non-finite loss and whether any was asked to stop.
+
+    Returns:
+        (skip the update, stop after this step), the same on every rank.
+    """
+    stop_flag = torch.tensor(float(preempt.stop_requested()), device=step_loss.device)
+    flags = torch.stack([(~torch.isfinite(step_loss)).float(), stop_flag])
+    bad, stop = (all_reduce(flags, op="max") > 0).tolist()
+    if not bad:
         state.consecutive_nonfinite = 0
-        return False
+        return False, stop
     state.nonfinite_skipped += 1
     state.consecutive_nonfinite += 1
     if state.consecutive_nonfinite >= cfg.engine.max_consecutive_nonfinite:
@@ -186,7 +213,7 @@ def _nonfinite_step(step_loss, precision: str, state: TrainState, cfg: Config, s
             f"(engine.max_consecutive_nonfinite={cfg.engine.max_consecutive_nonfinite}); no update was applied for "
             f"them and the last checkpoint in checkpoints/latest is intact. Lower optim.base_lr or check the data."
         )
-    return precision != "fp16"  # DeepSpeed's fp16 optimizer already skips overflowing steps itself
+    return precision != "fp16", stop  # DeepSpeed's fp16 optimizer already skips overflowing steps itself
 
 
 class _Window:

@@ -15,14 +15,19 @@ import torch
 from torch import nn
 
 from core.config import Config, dump_config, load_config
+from core.engine import preempt
 from core.engine.checkpoint import find_resume, load_checkpoint
 from core.engine.distributed import DistInfo, init_distributed, shutdown
 from core.engine.export import export_model
-from core.engine.loop import NonFiniteLossError, TrainState, train
+from core.engine.loop import NonFiniteLossError, PreemptedError, TrainState, train
+from core.engine.preempt import EXIT_PREEMPTED
 from core.engine.setup import parallelize, resolve_attention
 from core.logging import MetricsLogger
 from core.models import build_vit, vit_model_args
 from data.pipeline import dataset_size, make_train_loader, resolve_shards
+
+EXIT_NONFINITE = 3
+"""Process exit code after `engine.max_consecutive_nonfinite` non-finite losses in a row (see `run_loop`)."""
 
 
 @dataclass
@@ -53,6 +58,7 @@ def start_stage(prog: str, argv: list[str] | None) -> StageRun:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.base_lr=1e-4")
     args = parser.parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
+    preempt.install()  # before the data stream forks its workers, which must outlive a SIGTERM (see preempt.py)
     dist = init_distributed(cfg.engine.device)
     run_dir, config_yaml = prepare_run_dir(cfg, dist)
     samples = cfg.data.samples_per_epoch or dataset_size(cfg.data.train)
@@ -100,7 +106,14 @@ def run_loop(
     log_images: Callable | None = None,
     after_update: Callable | None = None,
 ) -> int:
-    """The training loop; returns the process exit code (3 after too many non-finite losses)."""
+    """The training loop; returns the process exit code.
+
+    Returns:
+        0 when every step ran; `EXIT_NONFINITE` (3) after too many non-finite losses in a row; `EXIT_PREEMPTED` (4)
+        after a SIGTERM, once the checkpoint of the step reached is saved. On a non-zero code the logger is closed
+        and the stage should return the code.
+    """
+    preempt.install()  # normally done by start_stage already; SIGTERM is only deferred while the loop runs
     try:
         train(
             cfg=run.cfg,
@@ -118,9 +131,13 @@ def run_loop(
             log_images=log_images,
             after_update=after_update,
         )
-    except NonFiniteLossError as err:
-        run.logger.console(f"[mimpipe] {err}")
-        return 3
+    except (NonFiniteLossError, PreemptedError) as err:
+        code = EXIT_PREEMPTED if isinstance(err, PreemptedError) else EXIT_NONFINITE
+        run.logger.console(f"[mimpipe] {err} (exit code {code})")
+        run.logger.close()  # TensorBoard keeps events in memory for up to two minutes
+        return code
+    finally:
+        preempt.restore()
     return 0
 
 

@@ -1,0 +1,106 @@
+"""Remote shards: `http://` URLs (webdataset's gopen runs curl) and `pipe:` commands stream the same samples as local
+files. The `shards` fixture's train directory is served from 127.0.0.1 by a thread of this process."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.pipeline import make_eval_loader, make_train_loader, resolve_shards
+from data.transforms import eval_transform, pretrain_transform
+from data.write import read_index
+
+MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # one line per request would drown the test output
+        pass
+
+
+@contextlib.contextmanager
+def serve_directory(directory: Path) -> Iterator[str]:
+    """Serve `directory` over HTTP on 127.0.0.1 from a background thread; yields the base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(directory)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def base_url(shards) -> Iterator[str]:
+    with serve_directory(shards["train"]) as url:
+        yield url
+
+
+def _brace_pattern(base_url: str, train_dir: Path) -> str:
+    """`BASE/train-{000000..000007}.tar`, checked against the shard names in index.json."""
+    names = [s["name"] for s in read_index(str(train_dir))["shards"]]
+    assert names == [f"train-{i:06d}.tar" for i in range(len(names))]
+    return f"{base_url}/train-{{000000..{len(names) - 1:06d}}}.tar"
+
+
+def _train_batches(shards: list[str], num_workers: int, num_batches: int = 6) -> list[dict]:
+    loader = make_train_loader(
+        shards,
+        transform=pretrain_transform(16, MEAN, STD),
+        batch_size=16,
+        seed=3,
+        rank=0,
+        world_size=1,
+        num_workers=num_workers,
+        shuffle_buffer=32,
+        resampled=False,
+    )
+    return list(itertools.islice(iter(loader), num_batches))
+
+
+def _eval_batches(shards: list[str], num_workers: int) -> list[dict]:
+    transform = eval_transform(16, MEAN, STD, crop_pct=1.0)
+    return list(
+        make_eval_loader(shards, transform=transform, batch_size=50, rank=0, world_size=1, num_workers=num_workers)
+    )
+
+
+def _assert_same(a: list[dict], b: list[dict]) -> None:
+    assert [x["key"] for x in a] == [y["key"] for y in b]
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x["image"], y["image"], rtol=0, atol=0)
+        assert torch.equal(x["label"], y["label"])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_http_shards_give_the_same_batches_as_local_files(shards, base_url, num_workers):
+    local = resolve_shards(str(shards["train"]))
+    urls = resolve_shards(_brace_pattern(base_url, shards["train"]))
+    assert urls == [f"{base_url}/{Path(p).name}" for p in local]
+    _assert_same(_train_batches(urls, num_workers), _train_batches(local, num_workers))
+    over_http = _eval_batches(urls, num_workers)
+    _assert_same(over_http, _eval_batches(local, num_workers))
+    assert sum(len(b["key"]) for b in over_http) == 512  # one full pass, every sample once
+
+
+def test_pipe_command_shards_stream_like_local_files(shards):
+    local = resolve_shards(str(shards["train"]))
+    piped = [f"pipe:cat {p}" for p in local]
+    assert resolve_shards(piped) == piped
+    _assert_same(_eval_batches(piped, num_workers=2), _eval_batches(local, num_workers=2))
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_missing_url_raises_naming_the_url(base_url, num_workers):
+    url = f"{base_url}/train-999999.tar"  # the server answers 404; curl -f exits 22 with nothing read
+    with pytest.raises(RuntimeError, match=f"cannot read shard {url}"):
+        _eval_batches([url], num_workers)
