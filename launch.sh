@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# Launch a recipe with torchrun on this node:  ./launch.sh RECIPE [section.key=value ...] [--dry-run]
+# Launch a recipe:  ./launch.sh RECIPE [section.key=value ...] [--dry-run]
 #
+# Run one launch.sh per node: it checks the recipe and the batch split, prints the plan, then starts torchrun,
+# which spawns this node's processes. With HOSTFILE, one launch.sh starts every node (DeepSpeed's launcher, ssh).
+# --dry-run stops after printing the resolved config, the plan and the command.
 # Environment (all optional):
-#   NPROC_PER_NODE  processes on this node (default: number of GPUs, or 1 on CPU)
-#   NNODES          number of nodes (default 1)       NODE_RANK    this node's rank (default 0)
+#   NPROC_PER_NODE  processes per node (default: SLURM_GPUS_ON_NODE, else GPUs here, else 1; HOSTFILE: its slots)
+#   NNODES          number of nodes (default 1; HOSTFILE: all its hosts); no elastic MIN:MAX range, see README
+#   NODE_RANK       this node's rank, 0..NNODES-1 (default 0; not used with RDZV_ENDPOINT or HOSTFILE)
 #   MASTER_ADDR     rank-0 host (default 127.0.0.1)   MASTER_PORT  its port (default 29500; one node: a free port)
+#   RDZV_ENDPOINT   host:port of a torchrun c10d rendezvous, in place of MASTER_ADDR/MASTER_PORT/NODE_RANK
+#   RDZV_ID         id shared by the nodes of one run (default: SLURM_JOB_ID, else "mimpipe")
+#   MAX_RESTARTS    with RDZV_ENDPOINT: restarts of every worker after a failure, resuming from `latest` (default 0)
+#   HOSTFILE        DeepSpeed hostfile (`host slots=N` lines); MASTER_ADDR defaults to its first host
 #   PYTHON          interpreter (default: .venv/bin/python beside this script, else python3)
+# In a SLURM allocation (SLURM_JOB_ID set, NNODES and HOSTFILE not): `srun --ntasks-per-node=1 ./launch.sh RECIPE`.
+#   NNODES, NODE_RANK, MASTER_ADDR (first host of the job), MASTER_PORT (20000 + job id % 10000) and
+#   NPROC_PER_NODE (SLURM_GPUS_ON_NODE) come from SLURM unless set.
 set -euo pipefail
+
+die() { echo "launch.sh: $*" >&2; exit 2; }
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 recipe="$1"; shift
@@ -24,25 +37,63 @@ python="${PYTHON:-}"
 if [[ -z "$python" ]]; then
     if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python="python3"; fi
 fi
+free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 num_gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then num_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
-if [[ -n "${NPROC_PER_NODE:-}" ]]; then nproc_per_node="$NPROC_PER_NODE"
-elif [[ "$num_gpus" -gt 0 ]]; then nproc_per_node="$num_gpus"
-else nproc_per_node=1; fi
-nnodes="${NNODES:-1}"
+default_nproc=$(( num_gpus > 0 ? num_gpus : 1 ))
+nnodes="${NNODES:-}"
 node_rank="${NODE_RANK:-0}"
-master_addr="${MASTER_ADDR:-127.0.0.1}"
-if [[ -z "${MASTER_PORT:-}" && "$nnodes" -eq 1 ]]; then  # one node: any free port, so two runs can share a host
-    master_port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-else
-    master_port="${MASTER_PORT:-29500}"
+master_addr="${MASTER_ADDR:-}"
+master_port="${MASTER_PORT:-}"
+max_restarts="${MAX_RESTARTS:-0}"
+[[ "$max_restarts" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS='$max_restarts' is not a non-negative integer"
+[[ -z "${HOSTFILE:-}" || -z "${RDZV_ENDPOINT:-}" ]] || die "set HOSTFILE or RDZV_ENDPOINT, not both"
+if [[ "$max_restarts" -gt 0 && -z "${RDZV_ENDPOINT:-}" ]]; then
+    die "MAX_RESTARTS needs a c10d rendezvous: set RDZV_ENDPOINT (one node: RDZV_ENDPOINT=127.0.0.1:29400)"
 fi
-world_size=$((nnodes * nproc_per_node))
 
-# Validate the recipe and the batch split before any process starts.
-check_args=("$recipe" "${overrides[@]}" --world-size "$world_size")
-[[ $dry_run -eq 1 ]] && check_args+=(--dry-run)
+# Where the values come from: a hostfile, a SLURM allocation, or the variables above.
+if [[ -n "${HOSTFILE:-}" ]]; then
+    [[ -f "$HOSTFILE" ]] || die "HOSTFILE=$HOSTFILE: no such file"
+    [[ -n "$master_addr" ]] || master_addr="$(awk '$1 !~ /^#/ && NF { print $1; exit }' "$HOSTFILE")"
+elif [[ -n "${SLURM_JOB_ID:-}" && -z "$nnodes" ]]; then
+    # One launch.sh per node: several tasks on a node would each start a full set of processes there.
+    if [[ -n "${SLURM_STEP_NUM_TASKS:-}" && "$SLURM_STEP_NUM_TASKS" != "${SLURM_STEP_NUM_NODES:-}" ]]; then
+        die "SLURM step has $SLURM_STEP_NUM_TASKS tasks on ${SLURM_STEP_NUM_NODES:-?} nodes; run one launch.sh per" \
+            "node (srun --ntasks-per-node=1), it starts NPROC_PER_NODE processes itself"
+    fi
+    nnodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
+    node_rank="${NODE_RANK:-${SLURM_NODEID:-0}}"
+    if [[ -z "$master_addr" && -z "${RDZV_ENDPOINT:-}" ]]; then
+        master_addr="$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | sed -n 1p)" || true
+        [[ -n "$master_addr" ]] || die "cannot read the first host of SLURM_JOB_NODELIST with scontrol; set MASTER_ADDR"
+    fi
+    [[ -n "$master_port" ]] || master_port=$(( 20000 + 10#$SLURM_JOB_ID % 10000 ))  # jobs sharing a host differ
+    if [[ "${SLURM_GPUS_ON_NODE:-0}" =~ ^[1-9][0-9]*$ ]]; then default_nproc="$SLURM_GPUS_ON_NODE"; fi
+fi
+nnodes="${nnodes:-1}"
+master_addr="${master_addr:-127.0.0.1}"
+if [[ -z "$master_port" ]]; then  # one node: any free port, so two runs can share a host
+    if [[ "$nnodes" == 1 && -z "${HOSTFILE:-}" ]]; then master_port="$(free_port)"; else master_port=29500; fi
+fi
+nproc_per_node="${NPROC_PER_NODE:-$default_nproc}"
+
+# Validate the recipe, the topology and the batch split before any process starts; print the plan.
+check_args=("$recipe" "${overrides[@]}")
+if [[ -n "${HOSTFILE:-}" ]]; then
+    check_args+=(--hostfile "$HOSTFILE" --launcher "DeepSpeed launcher over ssh, master $master_addr:$master_port")
+    [[ -z "${NNODES:-}" ]] || check_args+=(--nnodes "$NNODES")
+    [[ -z "${NPROC_PER_NODE:-}" ]] || check_args+=(--nproc-per-node "$NPROC_PER_NODE")
+elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
+    rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-mimpipe}}"
+    check_args+=(--nnodes "$nnodes" --nproc-per-node "$nproc_per_node"
+                 --launcher "torchrun, c10d rendezvous $RDZV_ENDPOINT id $rdzv_id, max restarts $max_restarts")
+else
+    check_args+=(--nnodes "$nnodes" --nproc-per-node "$nproc_per_node" --node-rank "$node_rank"
+                 --launcher "torchrun, master $master_addr:$master_port")
+fi
+[[ $dry_run -eq 0 ]] || check_args+=(--dry-run)
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 module="$("$python" -m core.launch "${check_args[@]}")"
 
@@ -63,10 +114,31 @@ if [[ "${MIMPIPE_MALLOC:-tcmalloc}" == "tcmalloc" && "${LD_PRELOAD:-}" != *tcmal
     fi
 fi
 
-cmd=("$python" -m torch.distributed.run
-     --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc_per_node"
-     --master-addr "$master_addr" --master-port "$master_port"
-     -m "$module" "$recipe" "${overrides[@]}")
+if [[ -n "${HOSTFILE:-}" ]]; then
+    # DeepSpeed's runner reaches the hosts over pdsh/ssh and starts them in this directory (same path everywhere);
+    # it sets RANK/LOCAL_RANK/WORLD_SIZE in the environment, so no --local_rank argument is passed.
+    cmd=("$python" -m deepspeed.launcher.runner --hostfile "$HOSTFILE"
+         --master_addr "$master_addr" --master_port "$master_port")
+    [[ -z "${NNODES:-}" ]] || cmd+=(--num_nodes "$NNODES")
+    [[ -z "${NPROC_PER_NODE:-}" ]] || cmd+=(--num_gpus "$NPROC_PER_NODE")
+    cmd+=(--no_local_rank --module "$module" "$recipe" "${overrides[@]}")
+elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
+    # c10d rendezvous: node ranks are assigned as nodes join; after a failure every node restarts its workers.
+    cmd=("$python" -m torch.distributed.run
+         --nnodes "$nnodes" --nproc-per-node "$nproc_per_node"
+         --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$rdzv_id" --max-restarts "$max_restarts"
+         -m "$module" "$recipe" "${overrides[@]}")
+    # Restarted workers must not share the agents' store: they would read the dead workers' addresses left there
+    # and fail to connect (pytorch/pytorch#135712); unshared, each round's rank 0 hosts a fresh one.
+    if [[ "$max_restarts" -gt 0 ]]; then
+        cmd=(env "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}" "${cmd[@]}")
+    fi
+else
+    cmd=("$python" -m torch.distributed.run
+         --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc_per_node"
+         --master-addr "$master_addr" --master-port "$master_port"
+         -m "$module" "$recipe" "${overrides[@]}")
+fi
 if [[ $dry_run -eq 1 ]]; then
     printf '%q ' "${cmd[@]}"; echo
     exit 0

@@ -1,36 +1,147 @@
-"""Pre-launch check used by launch.sh: validate the recipe and the batch split for the world size before any
-process starts; print the module to run (stdout) and, with --dry-run, the resolved config (stderr)."""
+"""Pre-launch check used by launch.sh: validate the recipe, the launch topology and the batch split for the world
+size the launch will have, before any process starts; print the plan (stderr; with --dry-run also the resolved
+config) and the module to run (stdout, the only thing launch.sh reads).
+
+The world size is nodes x processes per node, or, for a DeepSpeed hostfile, the sum of the processes on the hosts
+used. Errors name the environment variable launch.sh took the value from.
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 from core.config import ConfigError, dump_config, load_config
 
 # The module launch.sh runs for each `stage` (the tokenizer is trained by the pretraining entry point).
 STAGE_MODULES = {"pretrain": "pretrain", "tokenizer": "pretrain", "finetune": "finetune"}
 
+# One hostfile entry as DeepSpeed's runner reads it: `worker-0 slots=8`.
+HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the processes run: one (host, processes) pair per node, hosts unnamed for torchrun."""
+
+    nodes: list[tuple[str | None, int]]
+    node_rank: int | None
+    """This launch's node, or None when the rendezvous assigns it or one launcher starts every node."""
+
+    @property
+    def world_size(self) -> int:
+        return sum(num for _, num in self.nodes)
+
+    def describe(self) -> str:
+        num_nodes = len(self.nodes)
+        counts = {num for _, num in self.nodes}
+        if len(counts) == 1:
+            per_node = counts.pop()
+            text = f"{_plural(num_nodes, 'node')} x {_plural(per_node, 'process', 'es')} per node"
+        else:
+            text = f"{_plural(num_nodes, 'node')} ({', '.join(f'{host}: {num}' for host, num in self.nodes)})"
+        text += f" = world size {self.world_size}"
+        if self.node_rank is not None:
+            text += f", this is node {self.node_rank}"
+        return text
+
+
+def _plural(num: int, word: str, suffix: str = "s") -> str:
+    return f"{num} {word}" if num == 1 else f"{num} {word}{suffix}"
+
+
+def _positive(text: str, name: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{name}={text!r} is not a positive integer")
+    return int(text)
+
+
+def parse_nnodes(text: str) -> int:
+    """NNODES as torchrun takes it, N or MIN:MAX; a range must be fixed (MIN == MAX).
+
+    An elastic range is refused: a checkpoint holds per-rank data positions and ZeRO partitions for the world size
+    that wrote it, so a restart at another node count could not resume it.
+    """
+    low, sep, high = text.partition(":")
+    num = _positive(low, "NNODES")
+    if sep and _positive(high, "NNODES") != num:
+        raise ValueError(
+            f"NNODES={text}: an elastic node range is not supported, since a checkpoint can only be resumed at the "
+            "world size that wrote it (per-rank data positions, ZeRO partitions). Set a fixed NNODES; MAX_RESTARTS "
+            "still restarts failed workers at that size."
+        )
+    return num
+
+
+def read_hostfile(path: Path, num_nodes: int | None, nproc_per_node: int | None) -> list[tuple[str, int]]:
+    """The (host, processes) pairs DeepSpeed's runner will use: the first `num_nodes` hosts, each with its slots or
+    `nproc_per_node` (its --num_nodes / --num_gpus)."""
+    hosts: dict[str, int] = {}
+    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = HOSTFILE_LINE.match(line)
+        if not match:
+            raise ValueError(f"HOSTFILE {path}:{number}: expected `host slots=N`, got {line!r}")
+        host, slots = match.group(1), int(match.group(2))
+        if host in hosts:
+            raise ValueError(f"HOSTFILE {path}:{number}: host {host} is listed twice")
+        if slots < 1:
+            raise ValueError(f"HOSTFILE {path}:{number}: {host} has no slots")
+        hosts[host] = slots
+    if not hosts:
+        raise ValueError(f"HOSTFILE {path} lists no hosts")
+    if num_nodes is not None and num_nodes > len(hosts):
+        raise ValueError(f"NNODES={num_nodes} but HOSTFILE {path} lists {len(hosts)} hosts")
+    return [(host, nproc_per_node or slots) for host, slots in list(hosts.items())[:num_nodes]]
+
+
+def topology(args: argparse.Namespace) -> Topology:
+    """Check the launch variables launch.sh passed on and lay out the nodes."""
+    nproc = _positive(args.nproc_per_node, "NPROC_PER_NODE") if args.nproc_per_node else None
+    if args.hostfile:
+        num_nodes = _positive(args.nnodes, "NNODES (with HOSTFILE)") if args.nnodes else None
+        return Topology(read_hostfile(Path(args.hostfile), num_nodes, nproc), node_rank=None)
+    if nproc is None:
+        raise ValueError("NPROC_PER_NODE is not set")
+    num_nodes = parse_nnodes(args.nnodes or "1")
+    node_rank = None
+    if args.node_rank is not None:
+        if not args.node_rank.isdigit() or int(args.node_rank) >= num_nodes:
+            raise ValueError(f"NODE_RANK={args.node_rank!r} is not a node of NNODES={num_nodes} (0..{num_nodes - 1})")
+        node_rank = int(args.node_rank)
+    return Topology([(None, nproc)] * num_nodes, node_rank)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.launch")
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--nnodes", help="NNODES: N (or N:N); with --hostfile, how many of its hosts to use")
+    parser.add_argument("--nproc-per-node", help="NPROC_PER_NODE; with --hostfile, replaces every host's slots")
+    parser.add_argument("--node-rank", help="NODE_RANK, when this launch starts one given node")
+    parser.add_argument("--hostfile", help="DeepSpeed hostfile: nodes and processes come from its `slots=`")
+    parser.add_argument("--launcher", default="torchrun", help="how the processes meet, for the plan")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     try:
+        topo = topology(args)
         cfg = load_config(args.recipe, args.overrides)
-        per_device = cfg.batch_size_per_device(args.world_size)
-    except ConfigError as err:
+        per_device = cfg.batch_size_per_device(topo.world_size)
+    except (ConfigError, ValueError, OSError) as err:
         print(f"launch.sh: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
         print(dump_config(cfg), file=sys.stderr)
     print(
-        f"[mimpipe] plan: {args.world_size} processes, global batch {cfg.data.global_batch_size} = {per_device} per "
-        f"device x {cfg.engine.grad_accum_steps} accumulation, lr {cfg.peak_lr:.4g}, ZeRO-{cfg.engine.zero_stage}, "
-        f"{cfg.engine.precision}",
+        f"[mimpipe] plan: {topo.describe()}; {args.launcher}\n"
+        f"[mimpipe] plan: global batch {cfg.data.global_batch_size} = {per_device} per device x "
+        f"{cfg.engine.grad_accum_steps} accumulation x {topo.world_size} ranks, lr {cfg.peak_lr:.4g}, "
+        f"ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}",
         file=sys.stderr,
     )
     print(STAGE_MODULES[cfg.stage])
