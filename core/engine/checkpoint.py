@@ -83,8 +83,13 @@ def save_checkpoint(
     return tag_dir
 
 
-def find_resume(run_dir: Path, rank: int, step: int | None = None) -> dict | None:
-    """This rank's saved train state from `latest` (or the given step), or None for a fresh run."""
+def find_resume(run_dir: Path, rank: int, world_size: int, step: int | None = None) -> dict | None:
+    """This rank's saved train state from `latest` (or the given step), or None for a fresh run.
+
+    Raises:
+        ValueError: The checkpoint lacks this rank's state, or was written by another world size (its ZeRO
+            partitions and per-rank data positions only fit the world size that wrote them).
+    """
     ckpt_dir = run_dir / "checkpoints"
     if step is not None:
         tag = _tag(step)
@@ -95,7 +100,13 @@ def find_resume(run_dir: Path, rank: int, step: int | None = None) -> dict | Non
     state_file = ckpt_dir / tag / f"rank_{rank:05d}.json"
     if not state_file.is_file():
         raise ValueError(f"checkpoint {ckpt_dir / tag} has no state for rank {rank} ({state_file} missing)")
-    return {"tag": tag, **json.loads(state_file.read_text())}
+    state = json.loads(state_file.read_text())
+    if state.get("world_size", world_size) != world_size:
+        raise ValueError(
+            f"checkpoint {ckpt_dir / tag} was written by {state['world_size']} processes, this run has {world_size}: "
+            f"resume with the same world size, or start a new run_dir from its export (model.init)"
+        )
+    return {"tag": tag, **state}
 
 
 def load_checkpoint(engine, *, run_dir: Path, resume: dict) -> None:

@@ -63,7 +63,7 @@ def start_stage(prog: str, argv: list[str] | None) -> StageRun:
     run_dir, config_yaml = prepare_run_dir(cfg, dist)
     samples = cfg.data.samples_per_epoch or dataset_size(cfg.data.train)
     total_steps, warmup_steps = cfg.steps(samples)
-    resume = find_resume(run_dir, dist.rank)
+    resume = find_resume(run_dir, dist.rank, dist.world_size)
     logger = MetricsLogger(run_dir, enabled=dist.is_main, tensorboard=cfg.logging.tensorboard, total_steps=total_steps)
     return StageRun(
         cfg,

@@ -1,0 +1,31 @@
+"""Finding the resume point: `latest`, per-rank state, and a world size that does not match."""
+
+import json
+
+import pytest
+
+from core.engine.checkpoint import find_resume
+
+
+def _checkpoint(run_dir, world_size: int, step: int = 6):
+    tag_dir = run_dir / "checkpoints" / f"step_{step:08d}"
+    tag_dir.mkdir(parents=True)
+    for rank in range(world_size):
+        state = {"step": step, "world_size": world_size, "batches_consumed": 12}
+        (tag_dir / f"rank_{rank:05d}.json").write_text(json.dumps(state))
+    (run_dir / "checkpoints" / "latest").write_text(tag_dir.name)
+
+
+def test_fresh_run_and_latest(tmp_path):
+    assert find_resume(tmp_path, 0, 2) is None
+    _checkpoint(tmp_path, world_size=2)
+    resume = find_resume(tmp_path, 1, 2)
+    assert resume["tag"] == "step_00000006" and resume["step"] == 6 and resume["batches_consumed"] == 12
+
+
+def test_another_world_size_is_refused_naming_both(tmp_path):
+    _checkpoint(tmp_path, world_size=2)
+    with pytest.raises(ValueError, match="written by 2 processes, this run has 1"):
+        find_resume(tmp_path, 0, 1)
+    with pytest.raises(ValueError, match="no state for rank 3"):
+        find_resume(tmp_path, 3, 4)
