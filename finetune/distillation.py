@@ -49,7 +49,7 @@ class Distillation(Classification):
         logits, dist_logits = (x.float() for x in self.model(images))  # (B, K) each
         base = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         with torch.no_grad():
-            teacher_logits = self.teacher.to(images.device)(images).float()  # (B, K)
+            teacher_logits = self.teacher(images).float()  # (B, K); load_teacher put it on the device
         teacher_loss = distillation_loss(dist_logits, teacher_logits, kind=self.kind, tau=self.tau)
         hard_labels = labels.argmax(dim=-1) if labels.ndim == 2 else labels
         mean_logits = (logits + dist_logits) / 2
