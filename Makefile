@@ -1,4 +1,4 @@
-# mimpipe: make quickstart | make test | make lint | make bench
+# mimpipe: make quickstart | make test | make lint | make bench | make bench-memory
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
@@ -6,7 +6,7 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 # torch/torchvision are pinned here (not in pyproject) to the build this machine serves from its own disk.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install quickstart quickstart-beit quickstart-data test test-unit test-dist lint format bench
+.PHONY: install quickstart quickstart-beit quickstart-data test test-unit test-dist lint format bench bench-memory
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -69,3 +69,6 @@ format: install
 
 bench: install
 	$(PY) benchmarks/bench_engine.py
+
+bench-memory: install
+	$(PY) benchmarks/bench_memory.py

@@ -96,20 +96,12 @@ def build_config(spec: dict):
     return load_config(None, overrides)
 
 
-def build_mae(cfg):
-    """The MAE objective the pretraining stage builds, from core.models and pretrain.mae."""
-    from core.models import build_vit
-    from pretrain.mae import MAE
+def mae_builder(cfg):
+    """The function the pretraining stage builds its MAE objective with (pretrain/objectives.py); under ZeRO-3 the
+    engine calls it inside deepspeed.zero.Init."""
+    from pretrain.objectives import objective_builder
 
-    o = cfg.objective
-    return MAE(
-        build_vit(cfg.model.size, img_size=cfg.model.img_size, patch_size=cfg.model.patch_size),
-        mask_ratio=o.mask_ratio,
-        norm_pix_loss=o.norm_pix_loss,
-        decoder_embed_dim=o.decoder_embed_dim,
-        decoder_depth=o.decoder_depth,
-        decoder_num_heads=o.decoder_num_heads,
-    )
+    return objective_builder(cfg)
 
 
 def patch_deepspeed_config(overrides: list[str]) -> None:
@@ -184,7 +176,7 @@ def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> None:
     from core.engine.setup import set_attention
 
     torch.manual_seed(0)
-    objective = build_mae(cfg)
+    objective = mae_builder(cfg)()
     set_attention(objective, cfg.engine.attention, torch.device("cpu"))  # the kernel the engine picks
     skip = objective.no_weight_decay()
     groups = param_groups_weight_decay(objective, weight_decay=cfg.optim.weight_decay, no_weight_decay_list=skip)
@@ -227,7 +219,7 @@ def run_engine(cfg, spec: dict, batch: dict, clock: Clock) -> None:
     run_dir = Path(spec["run_dir"])
     patch_deepspeed_config(spec["ds"])
     torch.manual_seed(0)
-    engine, optimizer = parallelize(build_mae(cfg), cfg=cfg, dist=dist, run_dir=run_dir)
+    engine, optimizer = parallelize(mae_builder(cfg), cfg=cfg, dist=dist, run_dir=run_dir)
     fused, foreach = OPTIMIZERS[spec["optimizer"]]
     for group in optimizer.param_groups:  # torch's AdamW reads both flags from the group at every step
         group["fused"], group["foreach"] = fused, foreach

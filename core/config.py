@@ -145,6 +145,20 @@ class EngineConfig(Section):
     """sdpa: torch's fused scaled_dot_product_attention; math: timm's explicit matmul-softmax attention; auto: sdpa
     on CUDA, math on CPU, where torch's fused kernel is measured 2-3x slower in bf16 (`make bench`)."""
     fp16_initial_scale_power: int = Field(16, ge=0, le=32)
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    """ZeRO-1/2/3: keep the fp32 master weights and AdamW moments in host memory and step them there."""
+    offload_param: Literal["none", "cpu"] = "none"
+    """ZeRO-3: keep the parameter partitions in host memory between uses."""
+    activation_checkpointing: bool = False
+    """Recompute every encoder block's activations in the backward pass instead of storing them."""
+
+    @model_validator(mode="after")
+    def _check_offload(self) -> EngineConfig:
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ValueError("engine.offload_optimizer needs engine.zero_stage 1, 2 or 3")
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise ValueError("engine.offload_param needs engine.zero_stage 3")
+        return self
 
 
 class CheckpointConfig(Section):

@@ -25,7 +25,7 @@ from data.pipeline import make_eval_loader, resolve_shards
 from data.transforms import eval_transform
 from pretrain.export import main as export_main
 from pretrain.export import pretrain_manifest
-from pretrain.objectives import PICTURES, build_objective, train_transform, visualize
+from pretrain.objectives import PICTURES, objective_builder, train_transform, visualize
 from pretrain.train_tokenizer import train_tokenizer
 
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Objective (same init on every rank) and engine
     seed_everything(cfg.seed)
-    engine, optimizer = start_engine(run, build_objective(cfg))
+    engine, optimizer = start_engine(run, objective_builder(cfg))
 
     # Reconstructions of one fixed batch with one fixed mask, so pictures are comparable across steps.
     fixed_tf = eval_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, crop_pct=1.0)

@@ -24,6 +24,8 @@ from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from core.engine.zero_init import gathered
+
 # The ViT paper's split of the selected patches: mask token, random other patch, unchanged.
 MIXED_SPLIT = (0.8, 0.1, 0.1)
 
@@ -72,8 +74,9 @@ class MaskedPatchPrediction(nn.Module):
         trunc_normal_(self.mask_token, std=0.02)
         for module in self.head.modules():
             if isinstance(module, nn.Linear):
-                trunc_normal_(module.weight, std=0.02)
-                nn.init.zeros_(module.bias)
+                with gathered(module.parameters()):  # already partitioned under deepspeed.zero.Init
+                    trunc_normal_(module.weight, std=0.02)
+                    nn.init.zeros_(module.bias)
 
     def no_weight_decay(self) -> set[str]:
         """Full names kept out of weight decay: position embedding, cls token and mask token."""

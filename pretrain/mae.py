@@ -19,6 +19,7 @@ from timm.models import checkpoint_seq
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
+from core.engine.zero_init import gathered
 from core.models import sincos_pos_embed_2d
 
 # MAE's norm_pix_loss adds this to the per-patch variance before the square root.
@@ -135,22 +136,28 @@ class MAE(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        """MAE's initialisation: fixed sin-cos encoder pos_embed, xavier Linear/patch-embed, N(0, 0.02) tokens."""
+        """MAE's initialisation: fixed sin-cos encoder pos_embed, xavier Linear/patch-embed, N(0, 0.02) tokens.
+        Each step sees full weights under deepspeed.zero.Init too (`gathered`)."""
         pos_embed = self.encoder.pos_embed
-        pos_embed.copy_(sincos_pos_embed_2d(pos_embed.shape[-1], self.grid_size, self.encoder.num_prefix_tokens))
+        with gathered([pos_embed]):
+            pos_embed.copy_(sincos_pos_embed_2d(pos_embed.shape[-1], self.grid_size, self.encoder.num_prefix_tokens))
         pos_embed.requires_grad_(False)
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+                with gathered(module.parameters()):
+                    nn.init.xavier_uniform_(module.weight)
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
             elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+                with gathered(module.parameters()):
+                    nn.init.ones_(module.weight)
+                    nn.init.zeros_(module.bias)
         proj_weight = self.encoder.patch_embed.proj.weight  # (D, C, ph, pw), initialised as a (D, C*ph*pw) Linear
-        nn.init.xavier_uniform_(proj_weight.view(proj_weight.shape[0], -1))
-        nn.init.normal_(self.encoder.cls_token, std=0.02)
-        nn.init.normal_(self.mask_token, std=0.02)
+        with gathered([proj_weight]):
+            nn.init.xavier_uniform_(proj_weight.view(proj_weight.shape[0], -1))
+        with gathered([self.encoder.cls_token]):
+            nn.init.normal_(self.encoder.cls_token, std=0.02)
+        nn.init.normal_(self.mask_token, std=0.02)  # this module's own: not partitioned before __init__ returns
 
     def no_weight_decay(self) -> set[str]:
         """Full names of the parameters excluded from weight decay: position embeddings and learned tokens."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,9 +22,9 @@ from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2, TokenizerCod
 from pretrain.tokenizer import load_tokenizer
 
 
-def _build_mae(cfg: Config) -> nn.Module:
+def _mae_builder(cfg: Config) -> Callable[[], nn.Module]:
     o = cfg.objective
-    return MAE(
+    return lambda: MAE(
         build_model(cfg),
         mask_ratio=o.mask_ratio,
         norm_pix_loss=o.norm_pix_loss,
@@ -33,7 +34,7 @@ def _build_mae(cfg: Config) -> nn.Module:
     )
 
 
-def _build_beit(cfg: Config) -> nn.Module:
+def _beit_builder(cfg: Config) -> Callable[[], nn.Module]:
     o: BEiTObjective = cfg.objective
     patch = (cfg.model.patch_size, cfg.model.patch_size)
     kind = o.target.kind
@@ -45,7 +46,7 @@ def _build_beit(cfg: Config) -> nn.Module:
         target = PixelsL2(patch, norm_pix=o.target.norm_pix)
     else:
         target = TokenizerCodes(load_tokenizer(o.target.path), cfg.model.grid)
-    return MaskedPatchPrediction(build_model(cfg), target, corruption=o.corruption, head=o.head)
+    return lambda: MaskedPatchPrediction(build_model(cfg), target, corruption=o.corruption, head=o.head)
 
 
 def _mae_transform(cfg: Config):
@@ -105,13 +106,15 @@ def _picture_mae(cfg: Config, batch: dict, out: dict) -> torch.Tensor:
     )
 
 
-BUILDERS = {"mae": _build_mae, "beit": _build_beit}
+BUILDERS = {"mae": _mae_builder, "beit": _beit_builder}
 TRANSFORMS = {"mae": _mae_transform, "beit": _beit_transform}
 PICTURES = {"mae": _picture_mae}
 
 
-def build_objective(cfg: Config) -> nn.Module:
-    """The objective module for `cfg.objective.kind`, wrapping a freshly initialised timm encoder."""
+def objective_builder(cfg: Config) -> Callable[[], nn.Module]:
+    """The function that builds the objective module for `cfg.objective.kind` around a freshly initialised timm
+    encoder. What the objective only reads (the target, a frozen tokenizer) is made now, outside the function, so
+    that under ZeRO-3 only trainable modules are built inside deepspeed.zero.Init (see core/engine/zero_init.py)."""
     return BUILDERS[cfg.objective.kind](cfg)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from core.config import Config
 from core.engine.distributed import DistInfo
+from core.engine.zero_init import build_partitioned
 
 
 class Guarded:
@@ -98,36 +100,49 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
             "contiguous_gradients": True,
             "overlap_comm": False,
             "reduce_scatter": True,
-            "reduce_bucket_size": 500_000_000,
+            # Buffer sizes in elements (fp32: 200 MB at 5e7). DeepSpeed's 5e8 defaults mean a 2 GB gradient bucket per
+            # rank, more than ViT-L's whole gradient, and ZeRO-3 then keeps every gathered weight alive from forward
+            # to backward (reuse distance 1e9): `make bench-memory` measured those costs (benchmarks/results/).
+            "reduce_bucket_size": 50_000_000,
             "allgather_partitions": True,
-            "allgather_bucket_size": 500_000_000,
+            "allgather_bucket_size": 50_000_000,
             "round_robin_gradients": False,
-            "offload_optimizer": {"device": "none"},
-            "offload_param": {"device": "none"},
-            "stage3_prefetch_bucket_size": 50_000_000,
+            "offload_optimizer": {"device": e.offload_optimizer, "pin_memory": False},
+            "offload_param": {"device": e.offload_param, "pin_memory": False},
+            "stage3_prefetch_bucket_size": 20_000_000,
             "stage3_param_persistence_threshold": 100_000,
-            "stage3_max_live_parameters": 1_000_000_000,
-            "stage3_max_reuse_distance": 1_000_000_000,
+            "stage3_max_live_parameters": 50_000_000,
+            "stage3_max_reuse_distance": 50_000_000,
             "stage3_gather_16bit_weights_on_model_save": False,
         },
         "activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False},
     }
 
 
-def build_optimizer(objective: nn.Module, cfg: Config, device: torch.device) -> Guarded:
+def build_optimizer(objective: nn.Module, cfg: Config, layout: nn.Module | None = None) -> Guarded:
     """AdamW with no weight decay on biases, norm weights and the objective's `no_weight_decay()` names; with
-    `optim.layer_decay` < 1, groups carry an `lr_scale` per depth from the objective's timm `group_matcher`."""
-    skip = objective.no_weight_decay() if hasattr(objective, "no_weight_decay") else set()
+    `optim.layer_decay` < 1, groups carry an `lr_scale` per depth from the objective's timm `group_matcher`.
+
+    `layout`: a meta-device twin of a ZeRO-3 partitioned `objective` (see zero_init.py); the groups are made from its
+    parameter shapes and names, then filled with the objective's parameters of the same names.
+    """
+    source = objective if layout is None else layout
+    skip = source.no_weight_decay() if hasattr(source, "no_weight_decay") else set()
     o = cfg.optim
     if o.layer_decay < 1.0:
-        if not hasattr(objective, "group_matcher"):
-            raise ValueError(f"optim.layer_decay needs an objective with a group_matcher; {type(objective).__name__}")
+        if not hasattr(source, "group_matcher"):
+            raise ValueError(f"optim.layer_decay needs an objective with a group_matcher; {type(source).__name__}")
         groups = param_groups_layer_decay(
-            objective, weight_decay=o.weight_decay, no_weight_decay_list=skip, layer_decay=o.layer_decay
+            source, weight_decay=o.weight_decay, no_weight_decay_list=skip, layer_decay=o.layer_decay
         )
     else:
-        groups = param_groups_weight_decay(objective, weight_decay=o.weight_decay, no_weight_decay_list=skip)
+        groups = param_groups_weight_decay(source, weight_decay=o.weight_decay, no_weight_decay_list=skip)
     groups = [g for g in groups if any(p.requires_grad for p in g["params"])]  # a frozen encoder (linear probe)
+    if layout is not None:
+        name_of = {id(p): name for name, p in layout.named_parameters()}
+        params = dict(objective.named_parameters())
+        for group in groups:
+            group["params"] = [params[name_of[id(p)]] for p in group["params"]]
     if o.kind == "sgd":
         return GuardedSGD(groups, lr=cfg.peak_lr, momentum=o.momentum)
     if o.kind == "lars":
@@ -155,8 +170,11 @@ def resolve_attention(kind: str, device: torch.device) -> str:
     return "sdpa" if kind == "sdpa" or (kind == "auto" and device.type == "cuda") else "math"
 
 
-def parallelize(objective: nn.Module, *, cfg: Config, dist: DistInfo, run_dir: Path):
+def parallelize(objective: nn.Module | Callable[[], nn.Module], *, cfg: Config, dist: DistInfo, run_dir: Path):
     """Wrap `objective` in a DeepSpeed engine on `dist.device`; writes `run_dir/deepspeed.json` on rank 0.
+
+    `objective` may be a function that builds it: under ZeRO-3 it is then built inside deepspeed.zero.Init, so no
+    rank ever holds all of its fp32 weights (see zero_init.py); at other stages it is simply called.
 
     Returns:
         (engine, optimizer): the DeepSpeed engine and the Guarded optimizer it steps.
@@ -171,8 +189,15 @@ def parallelize(objective: nn.Module, *, cfg: Config, dist: DistInfo, run_dir: P
     ds_config = deepspeed_config(cfg, dist.world_size)
     if dist.is_main:
         (run_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2))
-    objective.to(dist.device)
+    layout = None
+    if not isinstance(objective, nn.Module):
+        if cfg.engine.zero_stage == 3:
+            objective, layout = build_partitioned(objective, ds_config)
+        else:
+            objective = objective()
+    if layout is None:
+        objective.to(dist.device)  # zero.Init placed the partitions on the device already
     set_attention(objective, cfg.engine.attention, dist.device)
-    optimizer = build_optimizer(objective, cfg, dist.device)
+    optimizer = build_optimizer(objective, cfg, layout)
     engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
     return engine, optimizer

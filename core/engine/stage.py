@@ -22,6 +22,7 @@ from core.engine.export import export_model
 from core.engine.loop import NonFiniteLossError, PreemptedError, TrainState, train
 from core.engine.preempt import EXIT_PREEMPTED
 from core.engine.setup import parallelize, resolve_attention
+from core.engine.zero_init import init_partitioned_vit, is_partitioned, partition_report
 from core.logging import MetricsLogger
 from core.models import build_vit, vit_model_args
 from data.pipeline import dataset_size, make_train_loader, resolve_shards
@@ -80,14 +81,17 @@ def start_stage(prog: str, argv: list[str] | None) -> StageRun:
     )
 
 
-def start_engine(run: StageRun, objective: nn.Module):
-    """DeepSpeed engine for `objective` (built under the shared seed), the checkpoint restored; prints the plan."""
+def start_engine(run: StageRun, objective: nn.Module | Callable[[], nn.Module]):
+    """DeepSpeed engine for `objective` (built under the shared seed), the checkpoint restored; prints the plan.
+    `objective` may be the function that builds it (see `parallelize`)."""
     cfg, dist = run.cfg, run.dist
     engine, optimizer = parallelize(objective, cfg=cfg, dist=dist, run_dir=run.run_dir)
     seed_everything(cfg.seed + dist.rank)  # per-rank randomness (masks, drop path) from here on
     run.logger.console(
         launch_plan(cfg, dist, total_steps=run.total_steps, warmup_steps=run.warmup_steps, samples=run.samples)
     )
+    if is_partitioned(engine.module):
+        run.logger.console(f"[mimpipe] ZeRO-3 partitioned parameters: {partition_report(engine.module)}")
     if run.resume is not None:
         load_checkpoint(engine, run_dir=run.run_dir, resume=run.resume)
         run.logger.console(
@@ -206,7 +210,7 @@ def train_stream(cfg: Config, dist: DistInfo, transform, *, skip_batches: int):
 def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> nn.Module:
     """The timm ViT the recipe describes (DeiT's distilled variant when fine-tuning with `distill`, unless `plain`)."""
     m = cfg.model
-    return build_vit(
+    model = build_vit(
         m.size,
         img_size=m.img_size,
         patch_size=m.patch_size,
@@ -219,6 +223,10 @@ def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> nn
         distilled=not plain and cfg.stage == "finetune" and cfg.distill.kind != "none",
         **({"init_values": m.layer_scale_init} if m.layer_scale_init is not None else {}),
     )
+    if is_partitioned(model):  # built under deepspeed.zero.Init (ZeRO-3 pretraining)
+        init_partitioned_vit(model)
+    model.set_grad_checkpointing(cfg.engine.activation_checkpointing)
+    return model
 
 
 def gather_state_dict(engine, module: nn.Module, dist: DistInfo) -> dict[str, torch.Tensor] | None:

@@ -58,7 +58,14 @@ def _recipe(stage: str, run_dir: Path, fmnist, objective: dict, **sections) -> d
 def tokenizer_run(fmnist, tmp_path_factory):
     """The tokenizer stage, 2 processes, ZeRO-2: a VQ-VAE at 28 px, 4 px per code (7x7 grid), 64 codes."""
     tmp = tmp_path_factory.mktemp("tokenizer")
-    objective = {"kind": "vqvae", "img_size": 28, "downsample": 4, "codebook_size": 64, "hidden_dim": 32, "ema_decay": 0.9}
+    objective = {
+        "kind": "vqvae",
+        "img_size": 28,
+        "downsample": 4,
+        "codebook_size": 64,
+        "hidden_dim": 32,
+        "ema_decay": 0.9,
+    }
     recipe = _recipe("tokenizer", tmp / "run", fmnist, objective, schedule={"steps": 60}, engine={"zero_stage": 2})
     proc = launch(write_recipe(tmp / "tiny_tokenizer.yaml", recipe))
     assert proc.returncode == 0, proc.stdout[-4000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,18 @@ def test_zero3_with_accumulation_exports_consolidated_weights(shards, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "global batch 32 = 8 per device x 2 accumulation x 2 ranks" in proc.stdout
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3]
+    # Built under deepspeed.zero.Init: rank 0 only ever allocated about half of the weights.
+    held = re.search(r"ZeRO-3 partitioned parameters: this rank holds ([\d,]+) of ([\d,]+)", proc.stdout)
+    assert held, proc.stdout[-3000:]
+    share = int(held[1].replace(",", "")) / int(held[2].replace(",", ""))
+    assert 0.45 < share < 0.55
+    # Activation checkpointing and CPU offload of optimizer state and parameters change memory, not the numbers.
+    recipe["run_dir"] = str(tmp_path / "run_offload")
+    recipe["engine"] = {**recipe["engine"], "activation_checkpointing": True, "offload_optimizer": "cpu"}
+    recipe["engine"]["offload_param"] = "cpu"
+    proc_offload = launch(write_recipe(tmp_path / "tiny_mae_z3_offload.yaml", recipe))
+    assert proc_offload.returncode == 0, proc_offload.stdout[-4000:]
+    assert losses(tmp_path / "run_offload") == losses(tmp_path / "run")
     in_run = load_file(str(tmp_path / "run" / "export" / "model.safetensors"))
     assert in_run["blocks.0.attn.qkv.weight"].shape == (96, 32)  # gathered, not a ZeRO-3 placeholder
     out = tmp_path / "offline"

@@ -69,6 +69,9 @@ def test_base_recipe_is_merged_and_overridden():
         (["stage=tokenizer", "objective.codebook=5"], "objective.codebook: unknown key (did you mean 'codebook_size'"),
         (["stage=tokenizer", "objective.kind=mae"], "does not fit stage"),
         (["optim.layer_decay=1.5"], "optim.layer_decay"),
+        (["engine.zero_stage=2", "engine.offload_param=cpu"], "engine.offload_param needs engine.zero_stage 3"),
+        (["engine.zero_stage=0", "engine.offload_optimizer=cpu"], "engine.offload_optimizer needs engine.zero_stage"),
+        (["engine.offload_optimizer=nvme"], "engine.offload_optimizer"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):

@@ -31,7 +31,7 @@ def _classifier(depth: int = 3) -> Classification:
 def test_layer_decay_scales_lr_by_depth():
     objective = _classifier(depth=3)
     cfg = load_config(None, ["stage=finetune", "optim.layer_decay=0.5", "optim.weight_decay=0.1"])
-    groups = _groups_by_name(objective, build_optimizer(objective, cfg, torch.device("cpu")))
+    groups = _groups_by_name(objective, build_optimizer(objective, cfg))
     # 3 blocks: embeddings are layer 0, block i is layer i + 1, final norm and head the top layer 4 (scale 1).
     assert groups["model.pos_embed"]["lr_scale"] == 0.5**4
     assert groups["model.patch_embed.proj.weight"]["lr_scale"] == 0.5**4
@@ -49,7 +49,7 @@ def test_layer_decay_scales_lr_by_depth():
 def test_no_layer_decay_means_one_lr():
     objective = _classifier()
     cfg = load_config(None, ["stage=finetune"])
-    optimizer = build_optimizer(objective, cfg, torch.device("cpu"))
+    optimizer = build_optimizer(objective, cfg)
     assert all(g.get("lr_scale", 1.0) == 1.0 for g in optimizer.param_groups)
     assert len(optimizer.param_groups) == 2  # decay and no-decay
 

@@ -1,0 +1,217 @@
+"""Peak memory per rank of MAE pretraining at each ZeRO stage: 2 processes (torchrun, gloo) on CPU, a few bf16 steps
+of the real engine (`parallelize` + `train`) each, written as a table to benchmarks/results/memory.md.
+
+    .venv/bin/python benchmarks/bench_memory.py           # MAE ViT-L/16, 224 px, 2 images per rank (make bench-memory)
+    .venv/bin/python benchmarks/bench_memory.py --quick   # ViT-Ti at 64 px: checks that the script runs
+
+Each configuration is a fresh `torchrun` job. Every rank reports its peak resident set size (ru_maxrss: the most
+host memory the process ever held, model, optimizer, activations, libraries and all) once the engine is built and
+again after the steps. Under ZeRO-3 the objective is built inside deepspeed.zero.Init (core/engine/zero_init.py),
+so no rank ever materialises the whole model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "memory.md"
+TCMALLOC = Path(f"/usr/lib/{platform.machine()}-linux-gnu/libtcmalloc_minimal.so.4")
+NEVER = 10**9  # logging / checkpoint period that never comes round
+# (label, overrides): the ZeRO stages, then what ZeRO-3 adds on top.
+CASES = [
+    ("ZeRO-0", ["engine.zero_stage=0"]),
+    ("ZeRO-1", ["engine.zero_stage=1"]),
+    ("ZeRO-2", ["engine.zero_stage=2"]),
+    ("ZeRO-3", ["engine.zero_stage=3"]),
+    ("ZeRO-3 + activation checkpointing", ["engine.zero_stage=3", "engine.activation_checkpointing=true"]),
+]
+
+
+class MeasurementDone(Exception):
+    """Raised by the batch stream before the loop's last step (which would write a checkpoint)."""
+
+
+def peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+# ---------------------------------------------------------------- worker: one rank of one configuration
+
+
+def worker(spec: dict) -> None:
+    import torch
+
+    from core.config import dump_config, load_config
+    from core.engine.distributed import init_distributed
+    from core.engine.loop import TrainState, train
+    from core.engine.setup import parallelize
+    from core.logging import MetricsLogger
+    from pretrain.objectives import objective_builder
+
+    world = int(os.environ["WORLD_SIZE"])
+    total = spec["steps"] + 1
+    overrides = [
+        f"run_dir={spec['run_dir']}",
+        f"model.size={spec['model']}",
+        f"model.img_size={spec['size']}",
+        "model.patch_size=16",
+        f"data.global_batch_size={spec['per_rank'] * world}",
+        "engine.precision=bf16",
+        "engine.device=cpu",
+        f"schedule.steps={total}",
+        "schedule.warmup_steps=1",
+        f"logging.every_steps={NEVER}",
+        "logging.image_every_steps=0",
+        "logging.tensorboard=false",
+        f"checkpoint.every_steps={NEVER}",
+        *spec["overrides"],
+    ]
+    cfg = load_config(None, overrides)
+    dist = init_distributed("cpu")
+    run_dir = Path(spec["run_dir"])
+    torch.manual_seed(0)
+    engine, optimizer = parallelize(objective_builder(cfg), cfg=cfg, dist=dist, run_dir=run_dir)
+    built = peak_gib()
+    images = torch.randn(spec["per_rank"], 3, spec["size"], spec["size"], generator=torch.Generator().manual_seed(0))
+    batch = {"image": images, "num_corrupt": torch.tensor(0)}  # image: (B, C, H, W)
+    marks = []
+
+    def batches():
+        for _ in range(spec["steps"]):
+            marks.append(time.perf_counter())
+            yield batch
+        marks.append(time.perf_counter())
+        raise MeasurementDone
+
+    logger = MetricsLogger(run_dir, enabled=False, tensorboard=False, total_steps=total)
+    with contextlib.suppress(MeasurementDone):
+        train(
+            cfg=cfg,
+            engine=engine,
+            optimizer=optimizer,
+            batches=batches(),
+            dist=dist,
+            state=TrainState(),
+            total_steps=total,
+            warmup_steps=1,
+            logger=logger,
+            run_dir=run_dir,
+            config_yaml=dump_config(cfg),
+        )
+    steps = [b - a for a, b in zip(marks, marks[1:], strict=False)][1:]  # the first step pays for warm-up
+    result = {"built_gib": built, "peak_gib": peak_gib(), "s_per_step": sorted(steps)[len(steps) // 2]}
+    Path(spec["run_dir"], f"rank_{dist.rank}.json").write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run_case(overrides: list[str], args: argparse.Namespace, scratch: Path) -> list[dict]:
+    run_dir = Path(tempfile.mkdtemp(dir=scratch))
+    spec = {
+        "run_dir": str(run_dir),
+        "model": args.model,
+        "size": args.size,
+        "per_rank": args.per_rank,
+        "steps": args.steps,
+        "overrides": overrides,
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    env["HF_HUB_OFFLINE"] = "1"
+    if TCMALLOC.is_file():  # as launch.sh runs the stages; glibc's malloc keeps more freed memory resident
+        env["LD_PRELOAD"] = str(TCMALLOC)
+    port = 29500 + os.getpid() % 1000
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+    command += ["--master-port", str(port), __file__, "--worker", json.dumps(spec)]
+    proc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{overrides} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+    return [json.loads((run_dir / f"rank_{rank}.json").read_text()) for rank in range(args.nproc)]
+
+
+def render(results: dict[str, list[dict]]) -> list[str]:
+    base = max(r["peak_gib"] for r in results["ZeRO-0"]) if "ZeRO-0" in results else float("nan")
+    lines = [
+        "| configuration | peak RSS per rank, GiB (rank 0 / 1) | vs ZeRO-0 | peak once built, GiB | s/step |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for label, ranks in results.items():
+        peak = max(r["peak_gib"] for r in ranks)
+        per_rank = " / ".join(f"{r['peak_gib']:.2f}" for r in ranks)
+        built = max(r["built_gib"] for r in ranks)
+        step = max(r["s_per_step"] for r in ranks)
+        lines.append(f"| {label} | {per_rank} | {peak / base:.0%} | {built:.2f} | {step:.1f} |")
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="large", help="ViT size preset (default: large)")
+    p.add_argument("--size", type=int, default=224, help="image side in pixels, patch 16 (default: 224)")
+    p.add_argument("--per-rank", type=int, default=2, help="images per rank per step (default: 2)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (default: 3)")
+    p.add_argument("--nproc", type=int, default=2, help="processes (default: 2)")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per process (default: 1)")
+    p.add_argument("--skip", default="", help="comma-separated configuration labels to leave out, e.g. ZeRO-1")
+    p.add_argument("--quick", action="store_true", help="ViT-Ti at 64 px, 2 steps")
+    p.add_argument("--out", type=Path, default=RESULTS, help="markdown result file (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.size, args.steps = "tiny", 64, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as scratch:
+        for label, overrides in CASES:
+            if label in args.skip.split(","):
+                continue
+            results[label] = run_case(overrides, args, Path(scratch))
+            print(f"[bench] {label}: peak {max(r['peak_gib'] for r in results[label]):.2f} GiB per rank", flush=True)
+    import torch
+
+    lines = [
+        "# Peak memory per rank at each ZeRO stage",
+        "",
+        f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
+        f"- {os.cpu_count()} cores visible, {args.nproc} processes (torchrun, gloo), OMP_NUM_THREADS={args.threads}",
+        f"- torch {torch.__version__}, deepspeed {version('deepspeed')}, timm {version('timm')}, "
+        f"python {platform.python_version()}",
+        f"- model: MAE ViT-{args.model.capitalize()}/16 at {args.size} px (decoder 512 wide, 8 blocks), "
+        f"{args.per_rank} images per rank, bf16 autocast over fp32 weights, AdamW; {args.steps} steps each",
+        "- peak RSS: the process's ru_maxrss (all host memory it ever held, ~0.5 GiB of it libraries); malloc: "
+        f"{'tcmalloc (as launch.sh)' if TCMALLOC.is_file() else 'glibc'}",
+        f"- command: `{' '.join(['python', *sys.argv])}`",
+        "",
+        *render(results),
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"[bench] written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        sys.path.insert(0, str(REPO))
+        worker(json.loads(sys.argv[2]))
+        sys.exit(0)
+    sys.exit(main())

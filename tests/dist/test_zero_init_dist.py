@@ -1,0 +1,51 @@
+"""ZeRO-3 construction under deepspeed.zero.Init (tests/dist/zero_init_worker.py under torchrun, 2 gloo ranks)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.launching import REPO, free_port
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("zero_init")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += [str(REPO / "tests" / "dist" / "zero_init_worker.py"), str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "zero_init.json").read_text())
+
+
+@pytest.mark.parametrize("kind", ["mae", "beit"])
+def test_each_rank_holds_half_and_groups_match_the_plain_build(built, kind):
+    result = built[kind]
+    assert 0.45 < result["held_share"] < 0.55
+    assert result["groups"] == result["plain_groups"]  # made from the meta-device twin's shapes
+    assert any(wd == 0.0 and "encoder.blocks.0.attn.qkv.bias" in names for names, wd in result["groups"])
+
+
+def test_mae_initialisation_reaches_partitioned_weights(built):
+    """MAE's init runs after its sub-modules were partitioned: xavier Linear, sin-cos pos_embed, unit norms."""
+    result = built["mae"]
+    fan_out, fan_in = result["qkv_fan"]
+    assert result["qkv_std"] == pytest.approx(math.sqrt(2 / (fan_in + fan_out)), rel=0.1)
+    assert result["pos_is_sincos"] and result["biases_zero"] and result["norm_weights"] == [1.0]
+
+
+def test_beit_initialisation_reaches_partitioned_weights(built):
+    """timm's ViT init (trunc-normal 0.02) and the head's init, redone on gathered weights."""
+    result = built["beit"]
+    assert result["qkv_std"] == pytest.approx(0.02, rel=0.1)  # torch's default would be ~0.10 at fan-in 32
+    assert result["head_std"] == pytest.approx(0.02, rel=0.15)
+    assert result["biases_zero"] and result["norm_weights"] == [1.0]
+    assert not result["pos_is_sincos"]

@@ -1,0 +1,73 @@
+"""Worker for test_zero_init_dist.py (run under torchrun, 2 processes): builds the MAE and BEiT objectives under
+deepspeed.zero.Init as `parallelize` does, with their optimizer groups, and writes from rank 0 what the partitioned
+build looks like to OUT/zero_init.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+
+from core.config import load_config
+from core.engine.distributed import init_distributed
+from core.engine.setup import build_optimizer, deepspeed_config
+from core.engine.zero_init import build_partitioned
+from core.models import sincos_pos_embed_2d
+from pretrain.objectives import objective_builder
+
+MODEL = "model.size=tiny model.embed_dim=32 model.depth=2 model.num_heads=2 model.img_size=16 model.patch_size=4"
+KINDS = {
+    "mae": "objective.kind=mae objective.decoder_embed_dim=32 objective.decoder_depth=1 objective.decoder_num_heads=2",
+    "beit": "objective.kind=beit objective.target.kind=mean_color_3bit objective.head=mlp",
+}
+
+
+def summary(cfg, objective, optimizer) -> dict:
+    """Full-value statistics of the built objective and its optimizer's groups (by parameter name)."""
+    name_of = {id(p): n for n, p in objective.named_parameters()}
+    groups = sorted((sorted(name_of[id(p)] for p in g["params"]), g["weight_decay"]) for g in optimizer.param_groups)
+    params = list(objective.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        qkv = objective.encoder.blocks[0].attn.qkv.weight
+        pos = objective.encoder.pos_embed
+        out = {
+            "groups": groups,
+            "qkv_std": qkv.std().item(),
+            "qkv_fan": [qkv.shape[0], qkv.shape[1]],
+            "norm_weights": objective.encoder.blocks[1].norm2.weight.unique().tolist(),
+            "biases_zero": bool((objective.encoder.blocks[0].mlp.fc1.bias == 0).all()),
+            "pos_is_sincos": bool(torch.allclose(pos, sincos_pos_embed_2d(pos.shape[-1], cfg.model.grid, 1))),
+        }
+        if cfg.objective.kind == "beit":
+            out["head_std"] = objective.head[0].weight.std().item()
+    return out
+
+
+def main(out: Path) -> None:
+    dist = init_distributed("cpu")
+    result = {}
+    for kind, overrides in KINDS.items():
+        cfg = load_config(None, [*MODEL.split(), *overrides.split(), "engine.zero_stage=3", f"run_dir={out}"])
+        torch.manual_seed(0)
+        objective, layout = build_partitioned(objective_builder(cfg), deepspeed_config(cfg, dist.world_size))
+        optimizer = build_optimizer(objective, cfg, layout)
+        held = sum(p.ds_tensor.numel() for p in objective.parameters())
+        total = sum(p.ds_numel for p in objective.parameters())
+        plain = objective_builder(cfg)()  # the same objective built the ordinary way, for its groups
+        result[kind] = {
+            **summary(cfg, objective, optimizer),
+            "held_share": held / total,
+            "plain_groups": sorted(
+                (sorted(n for n, q in plain.named_parameters() if any(q is p for p in g["params"])), g["weight_decay"])
+                for g in build_optimizer(plain, cfg).param_groups
+            ),
+        }
+    if dist.rank == 0:
+        (out / "zero_init.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
