@@ -29,14 +29,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "memory.md"
 TCMALLOC = Path(f"/usr/lib/{platform.machine()}-linux-gnu/libtcmalloc_minimal.so.4")
-NEVER = 10**9  # logging / checkpoint period that never comes round
-# (label, overrides): the ZeRO stages, then what ZeRO-3 adds on top.
+NEVER = 10**9
+ACTIVATION_CHECKPOINTING = "engine.activation_checkpointing=true"  # logging / checkpoint period that never comes round
+# (label, overrides, images per rank or None for --per-rank): the ZeRO stages, then activation checkpointing at a
+# batch where activations weigh.
 CASES = [
-    ("ZeRO-0", ["engine.zero_stage=0"]),
-    ("ZeRO-1", ["engine.zero_stage=1"]),
-    ("ZeRO-2", ["engine.zero_stage=2"]),
-    ("ZeRO-3", ["engine.zero_stage=3"]),
-    ("ZeRO-3 + activation checkpointing", ["engine.zero_stage=3", "engine.activation_checkpointing=true"]),
+    ("ZeRO-0", ["engine.zero_stage=0"], None),
+    ("ZeRO-1", ["engine.zero_stage=1"], None),
+    ("ZeRO-2", ["engine.zero_stage=2"], None),
+    ("ZeRO-3", ["engine.zero_stage=3"], None),
+    ("ZeRO-3, 8 images per rank", ["engine.zero_stage=3"], 8),
+    ("ZeRO-3 + activation checkpointing, 8 images per rank", ["engine.zero_stage=3", ACTIVATION_CHECKPOINTING], 8),
 ]
 
 
@@ -119,13 +122,13 @@ def worker(spec: dict) -> None:
 # ---------------------------------------------------------------- driver
 
 
-def run_case(overrides: list[str], args: argparse.Namespace, scratch: Path) -> list[dict]:
+def run_case(overrides: list[str], per_rank: int, args: argparse.Namespace, scratch: Path) -> list[dict]:
     run_dir = Path(tempfile.mkdtemp(dir=scratch))
     spec = {
         "run_dir": str(run_dir),
         "model": args.model,
         "size": args.size,
-        "per_rank": args.per_rank,
+        "per_rank": per_rank,
         "steps": args.steps,
         "overrides": overrides,
     }
@@ -178,10 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as scratch:
-        for label, overrides in CASES:
+        for label, overrides, per_rank in CASES:
             if label in args.skip.split(","):
                 continue
-            results[label] = run_case(overrides, args, Path(scratch))
+            results[label] = run_case(overrides, per_rank or args.per_rank, args, Path(scratch))
             print(f"[bench] {label}: peak {max(r['peak_gib'] for r in results[label]):.2f} GiB per rank", flush=True)
     import torch
 
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         f"- torch {torch.__version__}, deepspeed {version('deepspeed')}, timm {version('timm')}, "
         f"python {platform.python_version()}",
         f"- model: MAE ViT-{args.model.capitalize()}/16 at {args.size} px (decoder 512 wide, 8 blocks), "
-        f"{args.per_rank} images per rank, bf16 autocast over fp32 weights, AdamW; {args.steps} steps each",
+        f"{args.per_rank} images per rank unless the row says otherwise, bf16 autocast over fp32 weights, AdamW; "
+        f"{args.steps} steps each",
         "- peak RSS: the process's ru_maxrss (all host memory it ever held, ~0.5 GiB of it libraries); malloc: "
         f"{'tcmalloc (as launch.sh)' if TCMALLOC.is_file() else 'glibc'}",
         f"- command: `{' '.join(['python', *sys.argv])}`",
