@@ -14,6 +14,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -86,9 +88,12 @@ def save_checkpoint(
 def find_resume(run_dir: Path, rank: int, world_size: int, step: int | None = None) -> dict | None:
     """This rank's saved train state from `latest` (or the given step), or None for a fresh run.
 
+    A checkpoint written by another world size is resumed through DeepSpeed's universal checkpoint (see
+    `_elastic_resume`); the returned `load_tag` is what `load_checkpoint` reads.
+
     Raises:
-        ValueError: The checkpoint lacks this rank's state, or was written by another world size (its ZeRO
-            partitions and per-rank data positions only fit the world size that wrote them).
+        ValueError: The checkpoint lacks this rank's state, or was written by another world size and cannot be
+            converted.
     """
     ckpt_dir = run_dir / "checkpoints"
     if step is not None:
@@ -97,24 +102,59 @@ def find_resume(run_dir: Path, rank: int, world_size: int, step: int | None = No
         tag = (ckpt_dir / LATEST).read_text().strip()
     else:
         return None
+    first = ckpt_dir / tag / f"rank_{0:05d}.json"
+    saved_world = json.loads(first.read_text()).get("world_size", world_size) if first.is_file() else world_size
+    if saved_world != world_size:
+        return _elastic_resume(ckpt_dir, tag, saved_world, world_size, rank)
     state_file = ckpt_dir / tag / f"rank_{rank:05d}.json"
     if not state_file.is_file():
         raise ValueError(f"checkpoint {ckpt_dir / tag} has no state for rank {rank} ({state_file} missing)")
-    state = json.loads(state_file.read_text())
-    if state.get("world_size", world_size) != world_size:
-        raise ValueError(
-            f"checkpoint {ckpt_dir / tag} was written by {state['world_size']} processes, this run has {world_size}: "
-            f"resume with the same world size, or start a new run_dir from its export (model.init)"
-        )
-    return {"tag": tag, **state}
+    return {"tag": tag, "load_tag": tag, "universal": False, **json.loads(state_file.read_text())}
+
+
+def _elastic_resume(ckpt_dir: Path, tag: str, saved_world: int, world_size: int, rank: int) -> dict:
+    """Resume state for a world size other than the one that wrote `tag`.
+
+    Model and optimizer state come back exactly: the ZeRO partitions are converted once (by rank 0) into DeepSpeed's
+    universal checkpoint, `tag/universal`, which any world size loads. The step and counters come from rank 0's state.
+    The data streams cannot continue where the old ranks left them (each rank's stream depends on the world size):
+    every rank starts its new stream after as many micro-batches as each old rank had drawn, and the RNGs are not
+    restored (each rank keeps its seed + rank). Refused where DeepSpeed's conversion fails, naming the checkpoint.
+    """
+    state = json.loads((ckpt_dir / tag / "rank_00000.json").read_text())
+    universal = ckpt_dir / tag / "universal"
+    if rank == 0 and not universal.is_dir():
+        tmp = ckpt_dir / tag / f".universal.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt_dir / tag)]
+        command += ["--output_folder", str(tmp), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        command += ["--inject_missing_state"]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ValueError(
+                f"checkpoint {ckpt_dir / tag} was written by {saved_world} processes, this run has {world_size}, and "
+                f"converting it to a universal checkpoint failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+            )
+        os.replace(tmp, universal)
+    barrier()
+    keep = {k: state[k] for k in ("step", "batches_consumed", "nonfinite_skipped", "corrupt_samples") if k in state}
+    return {
+        "tag": tag,
+        "load_tag": f"{tag}/universal",
+        "universal": True,
+        "from_world_size": saved_world,
+        **keep,  # batches_consumed: steps x accumulation, the same for every rank
+        "rng": None,
+    }
 
 
 def load_checkpoint(engine, *, run_dir: Path, resume: dict) -> None:
-    """Load DeepSpeed model/optimizer state of `resume["tag"]` and restore this rank's RNG."""
+    """Load DeepSpeed model/optimizer state of `resume["load_tag"]` and restore this rank's RNG."""
     ckpt_dir = run_dir / "checkpoints"
     path, _ = engine.load_checkpoint(
-        str(ckpt_dir), tag=resume["tag"], load_optimizer_states=True, load_lr_scheduler_states=False
+        str(ckpt_dir), tag=resume["load_tag"], load_optimizer_states=True, load_lr_scheduler_states=False
     )
     if path is None:
-        raise ValueError(f"could not load checkpoint {ckpt_dir / resume['tag']}")
-    set_rng_state(resume["rng"])
+        raise ValueError(f"could not load checkpoint {ckpt_dir / resume['load_tag']}")
+    if resume["rng"] is not None:  # None after a world-size change (see `_elastic_resume`)
+        set_rng_state(resume["rng"])

@@ -170,11 +170,19 @@ def resolve_attention(kind: str, device: torch.device) -> str:
     return "sdpa" if kind == "sdpa" or (kind == "auto" and device.type == "cuda") else "math"
 
 
-def parallelize(objective: nn.Module | Callable[[], nn.Module], *, cfg: Config, dist: DistInfo, run_dir: Path):
+def parallelize(
+    objective: nn.Module | Callable[[], nn.Module],
+    *,
+    cfg: Config,
+    dist: DistInfo,
+    run_dir: Path,
+    load_universal: bool = False,
+):
     """Wrap `objective` in a DeepSpeed engine on `dist.device`; writes `run_dir/deepspeed.json` on rank 0.
 
     `objective` may be a function that builds it: under ZeRO-3 it is then built inside deepspeed.zero.Init, so no
     rank ever holds all of its fp32 weights (see zero_init.py); at other stages it is simply called.
+    `load_universal`: the checkpoint to resume is a DeepSpeed universal checkpoint (a world-size change).
 
     Returns:
         (engine, optimizer): the DeepSpeed engine and the Guarded optimizer it steps.
@@ -187,6 +195,7 @@ def parallelize(objective: nn.Module | Callable[[], nn.Module], *, cfg: Config, 
             "use engine.precision=bf16 on CPU"
         )
     ds_config = deepspeed_config(cfg, dist.world_size)
+    ds_config["checkpoint"] = {"load_universal": load_universal}
     if dist.is_main:
         (run_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2))
     layout = None

@@ -85,7 +85,8 @@ def start_engine(run: StageRun, objective: nn.Module | Callable[[], nn.Module]):
     """DeepSpeed engine for `objective` (built under the shared seed), the checkpoint restored; prints the plan.
     `objective` may be the function that builds it (see `parallelize`)."""
     cfg, dist = run.cfg, run.dist
-    engine, optimizer = parallelize(objective, cfg=cfg, dist=dist, run_dir=run.run_dir)
+    universal = run.resume is not None and run.resume["universal"]
+    engine, optimizer = parallelize(objective, cfg=cfg, dist=dist, run_dir=run.run_dir, load_universal=universal)
     seed_everything(cfg.seed + dist.rank)  # per-rank randomness (masks, drop path) from here on
     run.logger.console(
         launch_plan(cfg, dist, total_steps=run.total_steps, warmup_steps=run.warmup_steps, samples=run.samples)
@@ -97,6 +98,12 @@ def start_engine(run: StageRun, objective: nn.Module | Callable[[], nn.Module]):
         run.logger.console(
             f"[mimpipe] resumed from {run.run_dir / 'checkpoints' / run.resume['tag']} at step {run.state.step}"
         )
+        if universal:
+            run.logger.console(
+                f"[mimpipe] world size changed from {run.resume['from_world_size']} to {dist.world_size}: model and "
+                f"optimizer state loaded from the universal checkpoint {run.resume['load_tag']}; the data streams "
+                "restart for the new ranks"
+            )
     return engine, optimizer
 
 

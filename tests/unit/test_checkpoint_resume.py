@@ -23,9 +23,15 @@ def test_fresh_run_and_latest(tmp_path):
     assert resume["tag"] == "step_00000006" and resume["step"] == 6 and resume["batches_consumed"] == 12
 
 
-def test_another_world_size_is_refused_naming_both(tmp_path):
-    _checkpoint(tmp_path, world_size=2)
-    with pytest.raises(ValueError, match="written by 2 processes, this run has 1"):
+def test_another_world_size_that_cannot_convert_is_refused_naming_both(tmp_path):
+    _checkpoint(tmp_path, world_size=2)  # rank states only: no DeepSpeed files to convert
+    with pytest.raises(ValueError, match="written by 2 processes, this run has 1, and converting it to a universal"):
         find_resume(tmp_path, 0, 1)
+    assert not (tmp_path / "checkpoints" / "step_00000006" / "universal").exists()
+
+
+def test_a_missing_rank_state_is_named(tmp_path):
+    _checkpoint(tmp_path, world_size=4)
+    (tmp_path / "checkpoints" / "step_00000006" / "rank_00003.json").unlink()
     with pytest.raises(ValueError, match="no state for rank 3"):
         find_resume(tmp_path, 3, 4)

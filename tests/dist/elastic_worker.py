@@ -1,0 +1,61 @@
+"""Worker for test_elastic_dist.py (run under torchrun). Phase `train`: 3 steps of a tiny MAE at ZeRO-2, checkpoint
+at step 3. Phase `resave`: resume the run dir's `latest` at this world size (through the universal checkpoint when
+the world size changed) and save it again, untouched, as step + 100."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from core.config import dump_config, load_config
+from core.engine.checkpoint import find_resume, load_checkpoint, save_checkpoint
+from core.engine.distributed import init_distributed
+from core.engine.setup import parallelize
+from pretrain.objectives import objective_builder
+
+OVERRIDES = [
+    "model.size=tiny",
+    "model.embed_dim=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "model.img_size=16",
+    "model.patch_size=4",
+    "objective.decoder_embed_dim=32",
+    "objective.decoder_depth=1",
+    "objective.decoder_num_heads=2",
+    "data.global_batch_size=8",
+    "engine.zero_stage=2",
+    "engine.device=cpu",
+    "optim.base_lr=0.01",
+]
+
+
+def main(run_dir: Path, phase: str) -> None:
+    cfg = load_config(None, [*OVERRIDES, f"run_dir={run_dir}"])
+    dist = init_distributed("cpu")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resume = None if phase == "train" else find_resume(run_dir, dist.rank, dist.world_size)
+    torch.manual_seed(0)
+    engine, _ = parallelize(
+        objective_builder(cfg), cfg=cfg, dist=dist, run_dir=run_dir, load_universal=bool(resume and resume["universal"])
+    )
+    step = 3
+    if phase == "train":
+        generator = torch.Generator().manual_seed(dist.rank)
+        for _ in range(step):
+            images = torch.randn(8 // dist.world_size, 3, 16, 16, generator=generator)
+            engine.backward(engine({"image": images})["loss"])
+            engine.step()
+    else:
+        load_checkpoint(engine, run_dir=run_dir, resume=resume)
+        step = resume["step"] + 100
+    state = {"batches_consumed": step, "nonfinite_skipped": 0, "consecutive_nonfinite": 0, "corrupt_samples": 0}
+    save_checkpoint(
+        engine, run_dir=run_dir, step=step, dist=dist, train_state=state, config_yaml=dump_config(cfg), keep_last=10
+    )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
