@@ -122,6 +122,10 @@ def _elastic_resume(ckpt_dir: Path, tag: str, saved_world: int, world_size: int,
     restored (each rank keeps its seed + rank). Refused where DeepSpeed's conversion fails, naming the checkpoint.
     """
     state = json.loads((ckpt_dir / tag / "rank_00000.json").read_text())
+    keep = {k: state[k] for k in ("step", "batches_consumed", "nonfinite_skipped", "corrupt_samples") if k in state}
+    keep.update(tag=tag, from_world_size=saved_world, rng=None)  # batches_consumed: steps x accumulation, any rank
+    if not any((ckpt_dir / tag).glob("*zero_pp_rank_*")):  # ZeRO-0: nothing partitioned, any world size loads it
+        return {**keep, "load_tag": tag, "universal": False}
     universal = ckpt_dir / tag / "universal"
     if rank == 0 and not universal.is_dir():
         tmp = ckpt_dir / tag / f".universal.tmp{os.getpid()}"
@@ -137,15 +141,7 @@ def _elastic_resume(ckpt_dir: Path, tag: str, saved_world: int, world_size: int,
             )
         os.replace(tmp, universal)
     barrier()
-    keep = {k: state[k] for k in ("step", "batches_consumed", "nonfinite_skipped", "corrupt_samples") if k in state}
-    return {
-        "tag": tag,
-        "load_tag": f"{tag}/universal",
-        "universal": True,
-        "from_world_size": saved_world,
-        **keep,  # batches_consumed: steps x accumulation, the same for every rank
-        "rng": None,
-    }
+    return {**keep, "load_tag": f"{tag}/universal", "universal": True}
 
 
 def load_checkpoint(engine, *, run_dir: Path, resume: dict) -> None:

@@ -98,11 +98,10 @@ def start_engine(run: StageRun, objective: nn.Module | Callable[[], nn.Module]):
         run.logger.console(
             f"[mimpipe] resumed from {run.run_dir / 'checkpoints' / run.resume['tag']} at step {run.state.step}"
         )
-        if universal:
+        if "from_world_size" in run.resume:
             run.logger.console(
                 f"[mimpipe] world size changed from {run.resume['from_world_size']} to {dist.world_size}: model and "
-                f"optimizer state loaded from the universal checkpoint {run.resume['load_tag']}; the data streams "
-                "restart for the new ranks"
+                f"optimizer state loaded from {run.resume['load_tag']}; the data streams restart for the new ranks"
             )
     return engine, optimizer
 

@@ -24,7 +24,8 @@ def test_fresh_run_and_latest(tmp_path):
 
 
 def test_another_world_size_that_cannot_convert_is_refused_naming_both(tmp_path):
-    _checkpoint(tmp_path, world_size=2)  # rank states only: no DeepSpeed files to convert
+    _checkpoint(tmp_path, world_size=2)
+    (tmp_path / "checkpoints" / "step_00000006" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"junk")
     with pytest.raises(ValueError, match="written by 2 processes, this run has 1, and converting it to a universal"):
         find_resume(tmp_path, 0, 1)
     assert not (tmp_path / "checkpoints" / "step_00000006" / "universal").exists()
@@ -35,3 +36,11 @@ def test_a_missing_rank_state_is_named(tmp_path):
     (tmp_path / "checkpoints" / "step_00000006" / "rank_00003.json").unlink()
     with pytest.raises(ValueError, match="no state for rank 3"):
         find_resume(tmp_path, 3, 4)
+
+
+def test_another_world_size_without_zero_partitions_loads_the_checkpoint_as_it_is(tmp_path):
+    _checkpoint(tmp_path, world_size=2)  # ZeRO-0 writes no zero_pp_rank_* files
+    resume = find_resume(tmp_path, 0, 1)
+    assert resume["load_tag"] == resume["tag"] == "step_00000006" and not resume["universal"]
+    assert resume["step"] == 6 and resume["batches_consumed"] == 12 and resume["from_world_size"] == 2
+    assert resume["rng"] is None  # the old ranks' RNG states do not fit the new ranks
