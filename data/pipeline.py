@@ -34,6 +34,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from webdataset.gopen import gopen_schemes
 
 from data.write import INDEX_FILE, read_index
 
@@ -240,6 +241,21 @@ class _ShardStream(IterableDataset):
                 yield sample
             if empty:  # would otherwise loop forever without yielding
                 raise ValueError(f"shards {_describe(urls)} of stream {stream_id} hold no samples")
+
+
+def _gopen_fsspec(url: str, mode: str = "rb", bufsize: int = 8192):
+    """Opens a shard URL with fsspec, for the object stores webdataset's gopen has no handler for."""
+    import fsspec
+
+    try:
+        return fsspec.open(url, mode).open()
+    except ImportError as exn:  # fsspec knows the protocol, its implementation (e.g. s3fs) is not installed
+        raise RuntimeError(f"cannot open shard {url}: {exn} (for s3://: pip install 'mimpipe[s3]')") from exn
+
+
+# Object stores reached through fsspec (s3fs, adlfs, gcsfs installed separately); `memory://` serves tests.
+for _scheme in ("s3", "s3a", "az", "abfs", "gcs", "memory"):
+    gopen_schemes.setdefault(_scheme, _gopen_fsspec)
 
 
 def _read_shards(urls: Iterator[str] | list[str]) -> Iterator[dict[str, Any]]:

@@ -104,3 +104,32 @@ def test_missing_url_raises_naming_the_url(base_url, num_workers):
     url = f"{base_url}/train-999999.tar"  # the server answers 404; curl -f exits 22 with nothing read
     with pytest.raises(RuntimeError, match=f"cannot read shard {url}"):
         _eval_batches([url], num_workers)
+
+
+def test_fsspec_urls_stream_like_local_files(shards):
+    """Schemes webdataset has no handler for (s3://, az://, ...) open through fsspec; its in-process `memory://`
+    filesystem stands in for an object store."""
+    import fsspec
+
+    local = resolve_shards(str(shards["train"]))
+    memory = fsspec.filesystem("memory")
+    urls = []
+    for path in local:
+        url = f"memory://mimpipe-test/{Path(path).name}"
+        memory.pipe(url, Path(path).read_bytes())
+        urls.append(url)
+    assert resolve_shards(urls) == urls
+    _assert_same(_eval_batches(urls, num_workers=0), _eval_batches(local, num_workers=0))
+    _assert_same(_train_batches(urls, num_workers=0), _train_batches(local, num_workers=0))
+
+
+def test_an_object_store_without_its_fsspec_package_names_the_url_and_the_fix(monkeypatch):
+    import fsspec
+
+    def missing(url, mode):
+        raise ImportError("Install s3fs to access S3")
+
+    monkeypatch.setattr(fsspec, "open", missing)
+    fix = r"pip install 'mimpipe\[s3\]'"
+    with pytest.raises(RuntimeError, match=rf"cannot read shard s3://bucket/train-000000.tar.*{fix}"):
+        _eval_batches(["s3://bucket/train-000000.tar"], num_workers=0)
