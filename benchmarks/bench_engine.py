@@ -209,11 +209,8 @@ def run_engine(cfg, spec: dict, batch: dict, clock: Clock) -> None:
     """The real loop on the real DeepSpeed engine; the clock reads at every batch draw."""
     import torch
 
-    from core.config import dump_config
     from core.engine.distributed import init_distributed
-    from core.engine.loop import TrainState, train
     from core.engine.setup import parallelize
-    from core.logging import MetricsLogger
 
     dist = init_distributed("cpu")
     run_dir = Path(spec["run_dir"])
@@ -234,14 +231,23 @@ def run_engine(cfg, spec: dict, batch: dict, clock: Clock) -> None:
         clock.mark()
         raise MeasurementDone  # before the loop's last step, which would also write a checkpoint
 
-    total = spec["warmup"] + spec["steps"] + 1
+    train_until_done(cfg, engine, optimizer, batches(), dist=dist, run_dir=run_dir)
+
+
+def train_until_done(cfg, engine, optimizer, batches, *, dist, run_dir: Path) -> None:
+    """`core.engine.loop.train` on `batches` (which end by raising MeasurementDone), without logging or checkpoints."""
+    from core.config import dump_config
+    from core.engine.loop import TrainState, train
+    from core.logging import MetricsLogger
+
+    total = cfg.schedule.steps
     logger = MetricsLogger(run_dir, enabled=False, tensorboard=False, total_steps=total)
     with contextlib.suppress(MeasurementDone):
         train(
             cfg=cfg,
             engine=engine,
             optimizer=optimizer,
-            batches=batches(),
+            batches=batches,
             dist=dist,
             state=TrainState(),
             total_steps=total,

@@ -13,12 +13,12 @@ so no rank ever materialises the whole model.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import platform
 import resource
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,10 +43,6 @@ CASES = [
 ]
 
 
-class MeasurementDone(Exception):
-    """Raised by the batch stream before the loop's last step (which would write a checkpoint)."""
-
-
 def peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
@@ -56,12 +52,11 @@ def peak_gib() -> float:
 
 def worker(spec: dict) -> None:
     import torch
+    from bench_engine import MeasurementDone, train_until_done
 
-    from core.config import dump_config, load_config
+    from core.config import load_config
     from core.engine.distributed import init_distributed
-    from core.engine.loop import TrainState, train
     from core.engine.setup import parallelize
-    from core.logging import MetricsLogger
     from pretrain.objectives import objective_builder
 
     world = int(os.environ["WORLD_SIZE"])
@@ -99,21 +94,7 @@ def worker(spec: dict) -> None:
         marks.append(time.perf_counter())
         raise MeasurementDone
 
-    logger = MetricsLogger(run_dir, enabled=False, tensorboard=False, total_steps=total)
-    with contextlib.suppress(MeasurementDone):
-        train(
-            cfg=cfg,
-            engine=engine,
-            optimizer=optimizer,
-            batches=batches(),
-            dist=dist,
-            state=TrainState(),
-            total_steps=total,
-            warmup_steps=1,
-            logger=logger,
-            run_dir=run_dir,
-            config_yaml=dump_config(cfg),
-        )
+    train_until_done(cfg, engine, optimizer, batches(), dist=dist, run_dir=run_dir)
     steps = [b - a for a, b in zip(marks, marks[1:], strict=False)][1:]  # the first step pays for warm-up
     result = {"built_gib": built, "peak_gib": peak_gib(), "s_per_step": sorted(steps)[len(steps) // 2]}
     Path(spec["run_dir"], f"rank_{dist.rank}.json").write_text(json.dumps(result))
@@ -136,7 +117,9 @@ def run_case(overrides: list[str], per_rank: int, args: argparse.Namespace, scra
     env["HF_HUB_OFFLINE"] = "1"
     if TCMALLOC.is_file():  # as launch.sh runs the stages; glibc's malloc keeps more freed memory resident
         env["LD_PRELOAD"] = str(TCMALLOC)
-    port = 29500 + os.getpid() % 1000
+    with socket.socket() as sock:  # a fresh port per job: the previous job's may still be in TIME_WAIT
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
     command += ["--master-port", str(port), __file__, "--worker", json.dumps(spec)]
     proc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
