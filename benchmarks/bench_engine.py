@@ -428,12 +428,16 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["## Engine overhead at each ZeRO stage", "", *render_table(main_cases, stats), ""]
     if matrix_cases:
         lines += ["## AdamW kernel x malloc (plain loop and ZeRO-1)", "", *render_table(matrix_cases, stats), ""]
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"[bench] written to {args.out}")
+    publish("\n".join(lines), args.out)
     return 0
+
+
+def publish(text: str, out: Path) -> None:
+    """Print a result table and write it to `out` (benchmarks/results/ by default)."""
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"[bench] written to {out}")
 
 
 if __name__ == "__main__":

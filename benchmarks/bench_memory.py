@@ -151,7 +151,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (default: 3)")
     p.add_argument("--nproc", type=int, default=2, help="processes (default: 2)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per process (default: 1)")
-    p.add_argument("--skip", default="", help="comma-separated configuration labels to leave out, e.g. ZeRO-1")
+    p.add_argument("--skip", default="", help="configuration labels to leave out, ';'-separated: 'ZeRO-1;ZeRO-2'")
     p.add_argument("--quick", action="store_true", help="ViT-Ti at 64 px, 2 steps")
     p.add_argument("--out", type=Path, default=RESULTS, help="markdown result file (default: %(default)s)")
     args = p.parse_args(argv)
@@ -165,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as scratch:
         for label, overrides, per_rank in CASES:
-            if label in args.skip.split(","):
+            if label in args.skip.split(";"):
                 continue
             results[label] = run_case(overrides, per_rank or args.per_rank, args, Path(scratch))
             print(f"[bench] {label}: peak {max(r['peak_gib'] for r in results[label]):.2f} GiB per rank", flush=True)
     import torch
+    from bench_engine import publish
 
     lines = [
         "# Peak memory per rank at each ZeRO stage",
@@ -188,11 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         *render(results),
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"[bench] written to {args.out}")
+    publish("\n".join(lines), args.out)
     return 0
 
 
