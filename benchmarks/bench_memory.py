@@ -122,16 +122,24 @@ def run_case(overrides: list[str], per_rank: int, args: argparse.Namespace, scra
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
     command += ["--master-port", str(port), __file__, "--worker", json.dumps(spec)]
-    proc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{overrides} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+    for attempt in (1, 2):  # a rank sometimes aborts in DeepSpeed's set-up ("terminate called without an active
+        # exception", SIGABRT, about one ZeRO-1/2 job in five here): run the job once more, and say so
+        proc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode == 0:
+            break
+        if attempt == 2 or "terminate called without an active exception" not in proc.stdout:
+            raise RuntimeError(f"{overrides} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+        print(f"[bench] {overrides}: a rank aborted in set-up; running the job again", flush=True)
     return [json.loads((run_dir / f"rank_{rank}.json").read_text()) for rank in range(args.nproc)]
 
 
 def render(results: dict[str, list[dict]]) -> list[str]:
-    base = max(r["peak_gib"] for r in results["ZeRO-0"]) if "ZeRO-0" in results else float("nan")
+    # ZeRO-0's ranks differ by up to 1.2 GiB from run to run (DeepSpeed's gradient all-reduce buffers): the ratio
+    # takes its lower rank, against the higher rank of the row, so that it never flatters.
+    base = min(r["peak_gib"] for r in results["ZeRO-0"]) if "ZeRO-0" in results else float("nan")
     lines = [
-        "| configuration | peak RSS per rank, GiB (rank 0 / 1) | vs ZeRO-0 | peak once built, GiB | s/step |",
+        "| configuration | peak RSS per rank, GiB (rank 0 / 1) | higher rank vs ZeRO-0's lower | peak once built, GiB "
+        "| s/step |",
         "|---|---|---:|---:|---:|",
     ]
     for label, ranks in results.items():

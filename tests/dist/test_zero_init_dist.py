@@ -49,3 +49,8 @@ def test_beit_initialisation_reaches_partitioned_weights(built):
     assert result["head_std"] == pytest.approx(0.02, rel=0.15)
     assert result["biases_zero"] and result["norm_weights"] == [1.0]
     assert not result["pos_is_sincos"]
+
+
+def test_fp32_master_weights_are_the_parameter_partitions(built):
+    """fp32 partitions need no master copy (core/engine/zero_init.py `fp32_master_shared`): 4 bytes per parameter."""
+    assert built["master_is_partition"] and all(built["master_is_partition"])

@@ -1,6 +1,6 @@
 """Worker for test_zero_init_dist.py (run under torchrun, 2 processes): builds the MAE and BEiT objectives under
-deepspeed.zero.Init as `parallelize` does, with their optimizer groups, and writes from rank 0 what the partitioned
-build looks like to OUT/zero_init.json."""
+deepspeed.zero.Init as `parallelize` does, with their optimizer groups, then one through the engine, and writes from
+rank 0 what the partitioned build looks like to OUT/zero_init.json."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from core.config import load_config
 from core.engine.distributed import init_distributed
-from core.engine.setup import build_optimizer, deepspeed_config
+from core.engine.setup import build_optimizer, deepspeed_config, parallelize
 from core.engine.zero_init import build_partitioned
 from core.models import sincos_pos_embed_2d
 from pretrain.objectives import objective_builder
@@ -65,6 +65,11 @@ def main(out: Path) -> None:
                 for g in build_optimizer(plain, cfg).param_groups
             ),
         }
+    # The engine's optimizer steps the fp32 parameter partitions themselves: no second fp32 master copy.
+    engine, _ = parallelize(objective_builder(cfg), cfg=cfg, dist=dist, run_dir=out)
+    zero = engine.optimizer
+    pairs = list(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True))
+    result["master_is_partition"] = [m.data_ptr() == p.data_ptr() and m.numel() == p.numel() for m, p in pairs]
     if dist.rank == 0:
         (out / "zero_init.json").write_text(json.dumps(result))
 
