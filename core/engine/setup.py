@@ -103,8 +103,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
             # Buffer sizes in elements (fp32: 200 MB at 5e7). DeepSpeed's 5e8 defaults mean a 2 GB gradient bucket per
             # rank, more than ViT-L's whole gradient, and ZeRO-3 then keeps every gathered weight alive from forward
             # to backward (reuse distance 1e9): `make bench-memory` measured those costs (benchmarks/results/).
-            # A 2e7 gradient bucket took 0.4 GiB off ZeRO-3's peak for MAE ViT-L over 5e7, and ran faster at every
-            # stage.
+            # A 2e7 gradient bucket took 0.4 GiB off ZeRO-3's peak for MAE ViT-L over 5e7, and ran faster at ZeRO-2
+            # and ZeRO-3 (the stages measured).
             "reduce_bucket_size": 20_000_000,
             "allgather_partitions": True,
             "allgather_bucket_size": 50_000_000,

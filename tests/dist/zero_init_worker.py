@@ -65,7 +65,8 @@ def main(out: Path) -> None:
                 for g in build_optimizer(plain, cfg).param_groups
             ),
         }
-    # The engine's optimizer steps the fp32 parameter partitions themselves: no second fp32 master copy.
+    # The engine's optimizer (here for the last objective, BEiT) steps the fp32 parameter partitions themselves: no
+    # second fp32 master copy.
     engine, _ = parallelize(objective_builder(cfg), cfg=cfg, dist=dist, run_dir=out)
     zero = engine.optimizer
     pairs = list(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True))
