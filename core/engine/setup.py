@@ -15,6 +15,7 @@ from torch import nn
 
 from core.config import Config
 from core.engine.distributed import DistInfo
+from core.engine.zero3_runtime import gather_per_block, skip_identity_grad_passes, use_linear32
 from core.engine.zero_init import build_partitioned, fp32_master_shared
 
 
@@ -118,6 +119,9 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
             # The optimizer steps ZeRO-3 partitions in groups of this many elements, each through one fp32 gradient
             # buffer of that size (DeepSpeed's 1e9 default makes it as big as ViT-L's whole partition).
             "sub_group_size": 10_000_000,
+            # DeepSpeed's replacement for F.linear, patched into torch for the whole process; at ZeRO-3 `parallelize`
+            # installs Linear32 (zero3_runtime.py) on the objective's layers instead.
+            "memory_efficient_linear": False,
             "stage3_gather_16bit_weights_on_model_save": False,
         },
         "activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False},
@@ -213,6 +217,11 @@ def parallelize(
         objective.to(dist.device)  # zero.Init placed the partitions on the device already
     set_attention(objective, cfg.engine.attention, dist.device)
     optimizer = build_optimizer(objective, cfg, layout)
+    if cfg.engine.zero_stage == 3:
+        gather_per_block(objective)
+        use_linear32(objective)
     with fp32_master_shared():
         engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
+    if cfg.engine.zero_stage == 3:
+        skip_identity_grad_passes(engine.optimizer)
     return engine, optimizer

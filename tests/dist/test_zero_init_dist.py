@@ -54,3 +54,13 @@ def test_beit_initialisation_reaches_partitioned_weights(built):
 def test_fp32_master_weights_are_the_parameter_partitions(built):
     """fp32 partitions need no master copy (core/engine/zero_init.py `fp32_master_shared`): 4 bytes per parameter."""
     assert built["master_is_partition"] and all(built["master_is_partition"])
+
+
+def test_zero3_trains_like_zero0_with_and_without_clipping(built):
+    """3 fp32 steps on 2 ranks from the same weights: ZeRO-3's trimmed step (per-block gathering, Linear32, no norm or
+    unscale without clipping) moves every parameter as ZeRO-0 does, and with clipping it still clips."""
+    free, clipped = built["clip_0.0"], built["clip_0.01"]
+    for run in (free, clipped):
+        assert run["updates"][0] > 0  # every parameter moved
+        assert run["max_relative_diff"] < 1e-4  # per parameter: |ZeRO-3 - ZeRO-0| / |update|, both at their largest
+    assert clipped["updates"][1] < free["updates"][1] / 5

@@ -1,6 +1,7 @@
 """Worker for test_zero_init_dist.py (run under torchrun, 2 processes): builds the MAE and BEiT objectives under
-deepspeed.zero.Init as `parallelize` does, with their optimizer groups, then one through the engine, and writes from
-rank 0 what the partitioned build looks like to OUT/zero_init.json."""
+deepspeed.zero.Init as `parallelize` does, with their optimizer groups, then one through the engine; trains MAE at
+ZeRO-3 and at ZeRO-0 from the same weights on the same batches; writes from rank 0 what it saw to
+OUT/zero_init.json."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from core.config import load_config
 from core.engine.distributed import init_distributed
 from core.engine.setup import build_optimizer, deepspeed_config, parallelize
-from core.engine.zero_init import build_partitioned
+from core.engine.zero_init import build_partitioned, gathered
 from core.models import sincos_pos_embed_2d
 from pretrain.objectives import objective_builder
 
@@ -46,6 +47,31 @@ def summary(cfg, objective, optimizer) -> dict:
     return out
 
 
+def trained(out: Path, dist, stage: int, grad_clip: float, start: dict | None) -> tuple[dict, dict]:
+    """MAE's trainable weights (by name) before and after 3 fp32 SGD steps through `parallelize` at `stage`, each rank
+    on its own batches, starting from `start` or from the build's own initialisation. (SGD: an update is the gradient
+    times the lr, so a difference in the gradients shows at its own size; Adam would blow up rounding noise in
+    gradients that are zero in exact arithmetic, such as the attention's key bias.)"""
+    overrides = [*MODEL.split(), *KINDS["mae"].split(), f"engine.zero_stage={stage}", "engine.precision=fp32"]
+    overrides += [f"optim.grad_clip={grad_clip}", "optim.kind=sgd", "optim.base_lr=64", "data.global_batch_size=4", f"run_dir={out}"]
+    cfg = load_config(None, overrides)
+    torch.manual_seed(0)
+    engine, _ = parallelize(objective_builder(cfg), cfg=cfg, dist=dist, run_dir=out)
+    params = {name: p for name, p in engine.module.named_parameters() if p.requires_grad}  # MAE's sin-cos are fixed
+    with gathered(params.values()):
+        for name, p in params.items():
+            if start is not None:
+                p.data.copy_(start[name])
+        initial = {name: p.detach().clone() for name, p in params.items()}
+    for step in range(3):
+        torch.manual_seed(100 * step + dist.rank)  # the batch and MAE's masks
+        loss = engine({"image": torch.randn(2, 3, 16, 16)})["loss"]
+        engine.backward(loss)
+        engine.step()
+    with gathered(params.values()):
+        return initial, {name: p.detach().clone() for name, p in params.items()}
+
+
 def main(out: Path) -> None:
     dist = init_distributed("cpu")
     result = {}
@@ -71,6 +97,16 @@ def main(out: Path) -> None:
     zero = engine.optimizer
     pairs = list(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True))
     result["master_is_partition"] = [m.data_ptr() == p.data_ptr() and m.numel() == p.numel() for m, p in pairs]
+    # ZeRO-3's trimmed step (zero3_runtime.py: per-block gathering, Linear32, no norm / unscale without clipping)
+    # against ZeRO-0, without and with clipping (0.01 clips every step here).
+    for clip in (0.0, 0.01):
+        start, zero3 = trained(out, dist, 3, clip, None)
+        _, zero0 = trained(out, dist, 0, clip, start)
+        updates = {k: (zero3[k] - start[k]).abs().max().item() for k in zero3}
+        result[f"clip_{clip}"] = {
+            "max_relative_diff": max((zero3[k] - zero0[k]).abs().max().item() / updates[k] for k in zero3),
+            "updates": [min(updates.values()), max(updates.values())],
+        }
     if dist.rank == 0:
         (out / "zero_init.json").write_text(json.dumps(result))
 
