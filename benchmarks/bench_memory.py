@@ -29,8 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "memory.md"
 TCMALLOC = Path(f"/usr/lib/{platform.machine()}-linux-gnu/libtcmalloc_minimal.so.4")
-NEVER = 10**9
-ACTIVATION_CHECKPOINTING = "engine.activation_checkpointing=true"  # logging / checkpoint period that never comes round
+NEVER = 10**9  # logging / checkpoint period that never comes round
+ACTIVATION_CHECKPOINTING = "engine.activation_checkpointing=true"
 # (label, overrides, images per rank or None for --per-rank): the ZeRO stages, then activation checkpointing at a
 # batch where activations weigh.
 CASES = [
@@ -122,14 +122,9 @@ def run_case(overrides: list[str], per_rank: int, args: argparse.Namespace, scra
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
     command += ["--master-port", str(port), __file__, "--worker", json.dumps(spec)]
-    for attempt in (1, 2):  # a rank sometimes aborts in DeepSpeed's set-up ("terminate called without an active
-        # exception", SIGABRT, about one ZeRO-1/2 job in five here): run the job once more, and say so
-        proc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode == 0:
-            break
-        if attempt == 2 or "terminate called without an active exception" not in proc.stdout:
-            raise RuntimeError(f"{overrides} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
-        print(f"[bench] {overrides}: a rank aborted in set-up; running the job again", flush=True)
+    proc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{overrides} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
     return [json.loads((run_dir / f"rank_{rank}.json").read_text()) for rank in range(args.nproc)]
 
 

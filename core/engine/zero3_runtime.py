@@ -5,7 +5,7 @@
    `gather_per_block` makes each transformer block one unit (0.2 s per step).
 2. DeepSpeed's replacement for `F.linear` (`memory_efficient_linear`), which saves the fp32 weight instead of its
    bf16 copy, so that gathered weights can be freed between forward and backward, but adds each bias in a separate
-   mixed-precision pass. `Linear32` keeps the memory saving and runs the forward as `F.linear` does (0.25 s).
+   mixed-precision pass. `Linear32` keeps the memory saving and runs the forward as `F.linear` does (0.2 s).
 3. Two passes over the gradients in the optimizer step that are identities without clipping or loss scaling (the
    global norm and the unscale); `skip_identity_grad_passes` drops them (0.07 s).
 """
