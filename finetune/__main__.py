@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     engine, optimizer = start_engine(run, objective)
     ema = engine.module.ema
 
-    # Evaluation on data.val; every improvement of top-1 is exported (timm layout, with the head)
-    best = {"val/top1": -1.0, "step": 0}
+    # Evaluation on data.val; every improvement of top-1 is exported (timm layout, with the head). The best so far is
+    # in run.state, which every checkpoint saves: a resumed run does not overwrite a better export.
 
     def export(step: int, metrics: dict[str, float]) -> None:
         state_dict = gather_state_dict(engine, engine.module.model, dist)  # collective under ZeRO-3
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         loader = _eval_loader(cfg, dist, eval_tf)
         metrics = evaluate(engine, loader, dist=dist, precision=cfg.engine.precision, confusion=confusion)
         _report(run, step, metrics, confusion, classes or [str(k) for k in range(num_classes)])
-        if metrics["val/top1"] > best["val/top1"]:  # every rank holds the same reduced value
-            best.update(metrics, step=step)
+        if metrics["val/top1"] > run.state.best_top1:  # every rank holds the same reduced value
+            run.state.best_top1, run.state.best_step = metrics["val/top1"], step
             export(step, metrics)
         if ema is not None:
             ema_metrics = evaluate(
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     if cfg.data.val:
         run.logger.console(
-            f"[mimpipe] best val top1 {best['val/top1']:.4f} at step {best['step']}; "
+            f"[mimpipe] best val top1 {run.state.best_top1:.4f} at step {run.state.best_step}; "
             f"exported to {run.run_dir / 'export'}"
         )
     else:

@@ -43,6 +43,10 @@ class TrainState:
     nonfinite_skipped: int = 0
     consecutive_nonfinite: int = 0
     corrupt_samples: int = 0
+    best_top1: float = -1.0
+    """Fine-tuning: the best `val/top1` so far (the weights in run_dir/export) and the step it was measured at, kept
+    across a resume so that a worse evaluation never overwrites the exported best."""
+    best_step: int = 0
 
     @classmethod
     def from_resume(cls, resume: dict | None) -> TrainState:

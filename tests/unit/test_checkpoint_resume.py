@@ -1,10 +1,12 @@
 """Finding the resume point: `latest`, per-rank state, and a world size that does not match."""
 
 import json
+from dataclasses import asdict
 
 import pytest
 
 from core.engine.checkpoint import find_resume
+from core.engine.loop import TrainState
 
 
 def _checkpoint(run_dir, world_size: int, step: int = 6):
@@ -44,3 +46,14 @@ def test_another_world_size_without_zero_partitions_loads_the_checkpoint_as_it_i
     assert resume["load_tag"] == resume["tag"] == "step_00000006" and not resume["universal"]
     assert resume["step"] == 6 and resume["batches_consumed"] == 12 and resume["from_world_size"] == 2
     assert resume["rng"] is None  # the old ranks' RNG states do not fit the new ranks
+
+
+def test_train_state_comes_back_whole_including_the_best_evaluation(tmp_path):
+    """Fine-tuning keeps its best val/top1 in the TrainState the loop checkpoints: a resumed run exports only what
+    beats the best of the run before it."""
+    state = TrainState(step=6, batches_consumed=12, nonfinite_skipped=1, corrupt_samples=2, best_top1=0.75, best_step=4)
+    _checkpoint(tmp_path, world_size=1)
+    rank_file = tmp_path / "checkpoints" / "step_00000006" / "rank_00000.json"
+    rank_file.write_text(json.dumps({"world_size": 1, "rng": None, **asdict(state)}))  # as save_checkpoint writes it
+    assert TrainState.from_resume(find_resume(tmp_path, 0, 1)) == state
+    assert TrainState.from_resume(None) == TrainState(best_top1=-1.0, best_step=0)
