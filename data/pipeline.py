@@ -20,12 +20,15 @@ decoding. It reproduces the uninterrupted run exactly unless the skipped range h
 Shapes: B batch size, H/W image height/width after the transform.
 """
 
+import contextlib
 import glob
 import io
 import itertools
 import logging
 import os
 import random
+import re
+import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -258,13 +261,42 @@ for _scheme in ("s3", "s3a", "az", "abfs", "gcs", "memory"):
     gopen_schemes.setdefault(_scheme, _gopen_fsspec)
 
 
+# What curl's exit status means when webdataset's gopen fetches an http(s) shard with `curl -f`.
+_CURL_EXITS = {
+    6: "the host name does not resolve",
+    7: "nothing accepts connections at that host and port",
+    22: "the server answered with an HTTP error (404: no such shard there; 403: no access)",
+    28: "the transfer timed out",
+    35: "the TLS handshake failed",
+    56: "the connection broke while receiving",
+}
+
+
 def _read_shards(urls: Iterator[str] | list[str]) -> Iterator[dict[str, Any]]:
     """Raw samples (dicts of bytes keyed by extension, plus `__key__` and `__url__`) of each shard in turn."""
     for url in urls:
         try:
             yield from wds.tarfile_samples([{"url": url}])
         except Exception as exn:
-            raise RuntimeError(f"cannot read shard {url}: {exn}") from exn
+            raise RuntimeError(f"cannot read shard {url}: {_why_unreadable(exn)}") from exn
+
+
+def _why_unreadable(exn: Exception) -> str:
+    """Why a shard could not be read: in words when curl fetched it and failed, else the error itself.
+
+    webdataset reports a failed curl either with its exit status or, when it read the empty stream before curl
+    exited, as an 'empty file' that carries the still-running pipe: then the status is waited for.
+    """
+    pipe = next((a for a in exn.args if hasattr(a, "proc") and "curl" in str(getattr(a, "args", ""))), None)
+    status = None
+    if pipe is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            status = pipe.proc.wait(timeout=60)
+    elif found := re.search(r"\['curl'.*exit (\d+)", str(exn)):
+        status = int(found[1])
+    if not status:
+        return str(exn)
+    return f"{_CURL_EXITS.get(status, 'curl failed')} (curl exit {status})"
 
 
 def _decode(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -100,10 +101,19 @@ def test_pipe_command_shards_stream_like_local_files(shards):
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
-def test_missing_url_raises_naming_the_url(base_url, num_workers):
+def test_missing_url_raises_naming_the_url_and_why(base_url, num_workers):
     url = f"{base_url}/train-999999.tar"  # the server answers 404; curl -f exits 22 with nothing read
-    with pytest.raises(RuntimeError, match=f"cannot read shard {url}"):
+    with pytest.raises(RuntimeError, match=f"cannot read shard {url}: the server answered with an HTTP error .404"):
         _eval_batches([url], num_workers)
+
+
+def test_a_port_nobody_listens_on_is_named(base_url):
+    with socket.socket() as sock:  # a free port, closed again: nothing accepts connections there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/train-000000.tar"
+    with pytest.raises(RuntimeError, match=f"cannot read shard {url}: nothing accepts connections .*curl exit 7"):
+        _eval_batches([url], 0)
 
 
 def test_fsspec_urls_stream_like_local_files(shards):
