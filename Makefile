@@ -67,8 +67,10 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# The engine against a plain loop where the 10% target is read: MAE ViT-B, batch 32, tcmalloc (as launch.sh runs).
 bench: install
-	$(PY) benchmarks/bench_engine.py
+	$(PY) benchmarks/bench_engine.py --batch 32 --allocators tcmalloc --rounds 3 \
+	  --out benchmarks/results/engine_batch32.md
 
 bench-memory: install
 	$(PY) benchmarks/bench_memory.py
