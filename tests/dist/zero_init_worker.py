@@ -59,8 +59,8 @@ def trained(out: Path, dist, stage: int, grad_clip: float, start: dict | None) -
     engine, _ = parallelize(objective_builder(cfg), cfg=cfg, dist=dist, run_dir=out)
     params = {name: p for name, p in engine.module.named_parameters() if p.requires_grad}  # MAE's sin-cos are fixed
     with gathered(params.values()):
-        for name, p in params.items():
-            if start is not None:
+        if start is not None:
+            for name, p in params.items():
                 p.data.copy_(start[name])
         initial = {name: p.detach().clone() for name, p in params.items()}
     for step in range(3):

@@ -1,6 +1,5 @@
 """Linear32 (core/engine/zero3_runtime.py): the same numbers as F.linear, bit for bit, without saving a low-precision
-weight copy.
-The ZeRO-3 engine paths that use it are covered in tests/dist/test_zero_init_dist.py."""
+weight copy. The ZeRO-3 engine paths that use it are covered in tests/dist/test_zero_init_dist.py."""
 
 from __future__ import annotations
 
