@@ -12,6 +12,7 @@ import torch
 
 from core.config import Config, load_config
 from core.engine.checkpoint import LATEST
+from core.engine.fp16 import zero0_masters_from_checkpoint
 from core.engine.stage import export_state_dict
 
 
@@ -19,8 +20,12 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int) -> dict[s
     """fp32 weights of the whole objective from a DeepSpeed checkpoint, without starting any process group."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if zero_stage == 0:
-        states = torch.load(ckpt_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        return {k: v.float() for k, v in states["module"].items()}
+        path = ckpt_dir / tag / "mp_rank_00_model_states.pt"
+        states = torch.load(path, map_location="cpu", weights_only=False)
+        weights = {k: v.float() for k, v in states["module"].items()}
+        if "fp32_groups" in (states.get("optimizer") or {}):  # fp16: the module is the fp16 copy
+            weights.update(zero0_masters_from_checkpoint(states, path))
+        return weights
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)

@@ -231,7 +231,8 @@ class MAE(nn.Module):
         mask_tokens = self.mask_token.expand(b, num_patches + 1 - x.shape[1], -1)  # (B, L - L_vis, Dd)
         patches = torch.cat([x[:, 1:], mask_tokens], dim=1)  # (B, L, Dd) kept-first order
         patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # image order
-        x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed  # (B, 1 + L, Dd)
+        # DeepSpeed's fp16 mode casts parameters but keeps buffers in fp32: add the fixed embedding in x's dtype
+        x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed.to(x.dtype)  # (B, 1 + L, Dd)
         x = self.decoder_norm(self.decoder_blocks(x))  # (B, 1 + L, Dd)
         return self.decoder_pred(x)[:, 1:]  # (B, L, P)
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from core.engine.distributed import DistInfo, barrier
+from core.engine.fp16 import MASTER_NAMES, zero0_master_names
 
 LATEST = "latest"
 
@@ -69,7 +70,10 @@ def save_checkpoint(
     """Save model, optimizer, step, data position and RNG; returns the tag directory."""
     ckpt_dir = run_dir / "checkpoints"
     tag = _tag(step)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+    client_state = {"step": step}
+    if engine.fp16_enabled() and engine.zero_optimization_stage() == 0:
+        client_state[MASTER_NAMES] = zero0_master_names(engine)  # lets an offline export name the fp32 weights
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
     tag_dir = ckpt_dir / tag
     state = {"step": step, "world_size": dist.world_size, "rng": rng_state(), **train_state}
     _atomic_write(tag_dir / f"rank_{dist.rank:05d}.json", json.dumps(state))

@@ -21,6 +21,7 @@ from core.config import Config
 from core.engine import preempt
 from core.engine.checkpoint import save_checkpoint
 from core.engine.distributed import DistInfo, all_reduce
+from core.engine.fp16 import scales_loss_itself
 from core.engine.schedule import lr_at
 from core.logging import MetricsLogger
 
@@ -121,6 +122,7 @@ def train(
     accum, precision, device = cfg.engine.grad_accum_steps, cfg.engine.precision, dist.device
     micro_batch = cfg.batch_size_per_device(dist.world_size)
     window = _Window(device)
+    scale_loss = scales_loss_itself(engine)
     first_step = state.step + 1
     for step in range(first_step, total_steps + 1):
         lr = lr_at(
@@ -138,7 +140,7 @@ def train(
             window.corrupt += batch["num_corrupt"]
             with autocast_context(precision, device):
                 out = engine(to_device(batch, device, precision))
-            engine.backward(out["loss"])
+            engine.backward(out["loss"] * engine.optimizer.loss_scale if scale_loss else out["loss"])
             step_loss += out["loss"].detach().float()
             window.add_scalars(out)
             if micro < accum - 1:
@@ -258,7 +260,7 @@ class _Window:
         if grad_norm is not None:
             values["train/grad_norm"] = grad_norm
         if precision == "fp16":
-            values["train/loss_scale"] = float(engine.optimizer.cur_scale)
+            values["train/loss_scale"] = float(engine.optimizer.loss_scale)  # every DeepSpeed fp16 wrapper has it
             values["train/skipped_steps"] = float(engine.skipped_steps)
         else:
             values["train/skipped_steps"] = float(state.nonfinite_skipped)

@@ -197,11 +197,12 @@ def parallelize(
         (engine, optimizer): the DeepSpeed engine and the Guarded optimizer it steps.
     """
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
-    if cfg.engine.precision == "fp16" and dist.device.type != "cuda":
+    if cfg.engine.precision == "fp16" and not get_accelerator().is_fp16_supported():
         raise ValueError(
-            "engine.precision fp16 needs a CUDA device (DeepSpeed's CPU accelerator has no fp16); "
-            "use engine.precision=bf16 on CPU"
+            f"engine.precision fp16: DeepSpeed's {get_accelerator().device_name()} accelerator has no fp16 on this "
+            f"machine (on CPU it needs AVX512-FP16); use engine.precision=bf16"
         )
     ds_config = deepspeed_config(cfg, dist.world_size)
     ds_config["checkpoint"] = {"load_universal": load_universal}
@@ -220,7 +221,10 @@ def parallelize(
     if cfg.engine.zero_stage == 3:
         gather_per_block(objective)
         use_linear32(objective)
-    with fp32_master_shared():
+    # skip: DeepSpeed's ZeRO-0 fp16 optimizer steps once on zero gradients to create the optimizer state, which would
+    # apply one weight decay to the fp32 weights (not to their fp16 copy) and count one Adam step; torch optimizers
+    # create their state on their first real step anyway.
+    with fp32_master_shared(), optimizer.guard(skip=True, measure=False):
         engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
     if cfg.engine.zero_stage == 3:
         skip_identity_grad_passes(engine.optimizer)

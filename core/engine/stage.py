@@ -19,6 +19,7 @@ from core.engine import preempt
 from core.engine.checkpoint import find_resume, load_checkpoint
 from core.engine.distributed import DistInfo, init_distributed, shutdown
 from core.engine.export import export_model
+from core.engine.fp16 import fp32_master_weights
 from core.engine.loop import NonFiniteLossError, PreemptedError, TrainState, train
 from core.engine.preempt import EXIT_PREEMPTED
 from core.engine.setup import parallelize, resolve_attention
@@ -236,14 +237,20 @@ def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> nn
 
 
 def gather_state_dict(engine, module: nn.Module, dist: DistInfo) -> dict[str, torch.Tensor] | None:
-    """Full fp32 CPU copy of `module`'s weights on rank 0 (None elsewhere); all ranks must call it (ZeRO-3 gathers)."""
-    params = list(module.parameters())
+    """Full fp32 CPU copy of `module`'s weights on rank 0 (None elsewhere); all ranks must call it (ZeRO-3 gathers,
+    and fp16 runs read the optimizer's fp32 master weights, see fp16.py)."""
     if engine.zero_optimization_stage() == 3:
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return _cpu_copy(module) if dist.is_main else None
-    return _cpu_copy(module) if dist.is_main else None
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            state = _cpu_copy(module) if dist.is_main else None
+    else:
+        state = _cpu_copy(module) if dist.is_main else None
+    if engine.fp16_enabled():
+        masters = fp32_master_weights(engine, module)
+        if state is not None:
+            state.update(masters)
+    return state
 
 
 def _cpu_copy(module: nn.Module) -> dict[str, torch.Tensor]:

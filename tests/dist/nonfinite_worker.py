@@ -1,5 +1,6 @@
 """Worker for test_nonfinite.py (run under torchrun): a toy objective whose loss is NaN on chosen (step, rank)
-pairs, trained by the real loop on a real DeepSpeed engine. Writes what it saw to OUT/rank_R.json."""
+pairs, trained by the real loop on a real DeepSpeed engine (in fp16 its fp16 optimizer skips those steps itself).
+Writes what it saw to OUT/rank_R.json."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from torch import nn
 
 from core.config import dump_config, load_config
 from core.engine.distributed import init_distributed
+from core.engine.fp16 import fp32_master_weights
 from core.engine.loop import NonFiniteLossError, TrainState, train
 from core.engine.setup import parallelize
 from core.logging import MetricsLogger
+from tests.dist.cpu_fp16 import allow_cpu_fp16
 
 NAN_AT = {(3, 1), (5, 0), (6, 0), (7, 1)}  # (step, rank): 3 alone, then 5, 6, 7 in a row -> stop at 7
 
@@ -28,7 +31,9 @@ class Toy(nn.Module):
         return {"loss": (self.lin(batch["image"]) ** 2).mean() * batch["scale"]}
 
 
-def main(out: Path, zero_stage: int) -> None:
+def main(out: Path, zero_stage: int, precision: str) -> None:
+    if precision == "fp16":
+        allow_cpu_fp16()
     cfg = load_config(
         None,
         [
@@ -36,7 +41,8 @@ def main(out: Path, zero_stage: int) -> None:
             "schedule.steps=8",
             "engine.max_consecutive_nonfinite=3",
             f"engine.zero_stage={zero_stage}",
-            "engine.precision=fp32",
+            f"engine.precision={precision}",
+            "engine.fp16_initial_scale_power=8",  # the toy's gradients times 2^16 would overflow fp16
             "data.global_batch_size=4",
             "checkpoint.every_steps=2",
             "logging.every_steps=1",
@@ -46,6 +52,10 @@ def main(out: Path, zero_stage: int) -> None:
     dist = init_distributed("cpu")
     torch.manual_seed(0)
     engine, optimizer = parallelize(Toy(), cfg=cfg, dist=dist, run_dir=out)
+    masters_equal_weights = None  # fp16: no update may reach the fp32 master weights before the first step
+    if precision == "fp16":
+        masters = fp32_master_weights(engine, engine.module)
+        masters_equal_weights = all(torch.equal(masters[n], p.float()) for n, p in engine.module.named_parameters())
     snapshots: dict[int, list[float]] = {}
 
     def batches():
@@ -74,9 +84,9 @@ def main(out: Path, zero_stage: int) -> None:
     except NonFiniteLossError as err:
         error = str(err)
     logger.close()
-    result = {"snapshots": snapshots, "error": error, "state": state.__dict__}
+    result = {"snapshots": snapshots, "error": error, "state": state.__dict__, "masters": masters_equal_weights}
     (out / f"rank_{dist.rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

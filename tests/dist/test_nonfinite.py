@@ -1,4 +1,5 @@
-"""Recipe: defaults + a toy objective (tests/dist/nonfinite_worker.py), 2 gloo processes, ZeRO 0 and 2."""
+"""Recipe: defaults + a toy objective (tests/dist/nonfinite_worker.py), 2 gloo processes, ZeRO 0 and 2 in fp32,
+ZeRO-0 in fp16 (tests/dist/cpu_fp16.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from tests.launching import REPO, free_port, read_metrics
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_nonfinite_loss_skips_update_on_every_rank_then_stops(tmp_path, zero_stage):
+@pytest.mark.parametrize(("zero_stage", "precision"), [(0, "fp32"), (2, "fp32"), (0, "fp16")])
+def test_nonfinite_loss_skips_update_on_every_rank_then_stops(tmp_path, zero_stage, precision):
     cmd = [
         sys.executable,
         "-m",
@@ -27,6 +28,7 @@ def test_nonfinite_loss_skips_update_on_every_rank_then_stops(tmp_path, zero_sta
         str(REPO / "tests" / "dist" / "nonfinite_worker.py"),
         str(tmp_path),
         str(zero_stage),
+        precision,
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -40,6 +42,7 @@ def test_nonfinite_loss_skips_update_on_every_rank_then_stops(tmp_path, zero_sta
         assert snaps[5] == snaps[6] == snaps[7]  # steps 5 and 6 skipped
         assert "non-finite for 3 steps in a row" in result["error"] and "stopping at step 7" in result["error"]
         assert result["state"]["nonfinite_skipped"] == 4
+        assert result["masters"] is (True if precision == "fp16" else None)
     assert ranks[0]["snapshots"] == ranks[1]["snapshots"]
     # the checkpoint of step 6 (taken after two skipped steps) is the latest, and step 7 never reached one
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000006"

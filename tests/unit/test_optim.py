@@ -1,10 +1,12 @@
 """Optimizer parameter groups: weight-decay exclusions and layer-wise lr decay through timm's group matcher."""
 
+import pytest
 import timm
 import torch
 
 from core.config import load_config
-from core.engine.setup import GuardedAdamW, build_optimizer, set_attention
+from core.engine.distributed import DistInfo
+from core.engine.setup import GuardedAdamW, build_optimizer, parallelize, set_attention
 from finetune.classification import Classification
 
 
@@ -89,3 +91,15 @@ def test_guard_covers_every_step_call_of_one_engine_step():
         deepspeed_like_step()
     assert not torch.equal(weight, before[0]) and not torch.equal(bias, before[1])
     assert optimizer.grad_sq_norm is None and not optimizer.skip
+
+
+def test_fp16_is_refused_where_deepspeed_has_no_fp16(tmp_path):
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this machine's DeepSpeed accelerator has fp16")
+    cfg = load_config(None, ["engine.precision=fp16", f"run_dir={tmp_path}"])
+    dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="engine.precision fp16: DeepSpeed's cpu accelerator has no fp16"):
+        parallelize(torch.nn.Linear(2, 2), cfg=cfg, dist=dist, run_dir=tmp_path)
+    assert not (tmp_path / "deepspeed.json").exists()  # refused before anything was written

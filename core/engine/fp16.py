@@ -1,0 +1,79 @@
+"""What `engine.precision: fp16` needs beyond DeepSpeed 0.19: loss scaling at ZeRO-0, and the fp32 weights for export.
+(A third gap, the ZeRO-0 fp16 optimizer's step on zero gradients at start-up, is closed in `setup.parallelize`.)
+
+Loss scaling: at ZeRO-0, DeepSpeed 0.19's `engine.backward` does not multiply the loss by the loss scale (only ZeRO
+optimizers get it; deepspeedai/DeepSpeed PR #8393), yet its fp16 optimizer divides the gradients by that scale before
+the update: every update would be 65536x too small and small fp16 gradients would underflow. The loop scales the loss
+itself where `engine.backward` will not (`scales_loss_itself`).
+
+Export: DeepSpeed computes with an fp16 copy of every parameter and keeps the weights the
+optimizer updates in fp32: in the ZeRO-1/2/3 partitions, or at ZeRO-0 in its fp16 optimizer's `fp32_groups`. An
+export made from the fp16 module would round every weight to 11 significant bits, so exports read the fp32 copy.
+Parameters the optimizer does not hold (frozen ones, e.g. MAE's fixed sin-cos `pos_embed`) have no fp32 copy and keep
+the value the run computed with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MASTER_NAMES = "fp32_master_names"
+"""Client-state key of a ZeRO-0 fp16 checkpoint: the parameter names of each of the optimizer's `fp32_groups`."""
+
+
+def scales_loss_itself(engine) -> bool:
+    """Whether the loop must multiply the loss by the loss scale before `engine.backward` (fp16 at ZeRO-0)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    return engine.fp16_enabled() and not isinstance(engine.optimizer, ZeROOptimizer)
+
+
+def fp32_master_weights(engine, module: nn.Module) -> dict[str, torch.Tensor]:
+    """Full fp32 CPU copies of `module`'s trainable parameters from the optimizer of an fp16 engine.
+
+    Collective at ZeRO-1/2/3 (each rank holds a partition): every rank must call it, in the same order.
+    """
+    names = {id(p): name for name, p in module.named_parameters()}
+    if engine.zero_optimization_stage() == 0:
+        optimizer = engine.optimizer
+        return {
+            names[id(p16)]: p32.detach().cpu().clone()
+            for group16, group32 in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True)
+            for p16, p32 in zip(group16, group32, strict=True)
+            if id(p16) in names
+        }
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, param in module.named_parameters():
+        full = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if full is not None:
+            shape = param.ds_shape if hasattr(param, "ds_id") else param.shape  # ZeRO-3 params are partitioned
+            out[name] = full.detach().float().cpu().reshape(shape).clone()
+    return out
+
+
+def zero0_master_names(engine) -> list[list[str]]:
+    """The parameter names of each fp32 group of a ZeRO-0 fp16 engine, saved in its checkpoints (`MASTER_NAMES`)."""
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    return [[names[id(p)] for p in group] for group in engine.optimizer.fp16_groups]
+
+
+def zero0_masters_from_checkpoint(states: dict, source: Path) -> dict[str, torch.Tensor]:
+    """The fp32 master weights in the model states of a ZeRO-0 fp16 checkpoint (`source`), by parameter name.
+
+    Raises:
+        ValueError: The checkpoint does not name its fp32 groups.
+    """
+    groups = states["optimizer"]["fp32_groups"]
+    names = states.get(MASTER_NAMES)
+    if names is None:
+        raise ValueError(f"{source}: an fp16 ZeRO-0 checkpoint without {MASTER_NAMES}, so its fp32 weights are unnamed")
+    return {
+        name: p.float()
+        for group_names, group in zip(names, groups, strict=True)
+        for name, p in zip(group_names, group, strict=True)
+    }

@@ -1,0 +1,94 @@
+"""Recipes: the tiny MAE of tests/dist (conftest `pretrain_recipe`) and its fine-tuning in `engine.precision: fp16`,
+2 gloo processes under torchrun, with fp16 allowed on this CPU by tests/dist/cpu_fp16.py."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.dist.test_finetune_dist import finetune_recipe
+from tests.launching import REPO, free_port, losses, pretrain_recipe, read_metrics, write_recipe
+
+pytestmark = pytest.mark.dist
+
+
+def run_fp16(stage: str, recipe: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += [str(REPO / "tests" / "dist" / "cpu_fp16.py"), stage, str(recipe)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def pretrain_fp16(shards, tmp_path: Path, name: str, **engine) -> Path:
+    recipe = pretrain_recipe(shards, tmp_path / name, engine={"precision": "fp16", **engine})
+    proc = run_fp16("pretrain", write_recipe(tmp_path / f"{name}.yaml", recipe))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "precision fp16" in proc.stdout
+    return tmp_path / name
+
+
+def offline_export(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
+    cmd = [sys.executable, "-m", "pretrain", "export", str(run_dir), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return load_file(out / "model.safetensors")
+
+
+def assert_exports_fp32_masters(run_dir: Path, tmp_path: Path) -> None:
+    """The run's own export equals `python -m pretrain export` of its last checkpoint (DeepSpeed's fp32 partitions, or
+    at ZeRO-0 the fp16 optimizer's named fp32 groups), and holds fp32 values, not the fp16 copy rounded."""
+    live = load_file(run_dir / "export" / "model.safetensors")
+    offline = offline_export(run_dir, tmp_path / f"{run_dir.name}_offline")
+    assert live.keys() == offline.keys()
+    assert all(torch.equal(live[k], offline[k]) for k in live)
+    rounded = [k for k, v in live.items() if torch.equal(v, v.half().float())]
+    assert rounded == ["pos_embed"]  # MAE's fixed sin-cos: frozen, so it has no fp32 copy
+
+
+def test_fp16_trains_like_bf16_at_zero2_and_zero3_and_hands_off(zero2_run, shards, tmp_path):
+    bf16 = {m["step"]: m for m in read_metrics(zero2_run[0]) if "train/loss" in m}  # the same recipe in bf16
+    for stage in (2, 3):
+        run_dir = pretrain_fp16(shards, tmp_path, f"zero{stage}", zero_stage=stage)
+        metrics = [m for m in read_metrics(run_dir) if "train/loss" in m]
+        assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+        assert all(m["train/loss_scale"] == 2.0**16 and m["train/skipped_steps"] == 0 for m in metrics)
+        assert all(math.isfinite(m["train/loss"]) for m in metrics)
+        for m in metrics:  # unscaled gradients: a loss scale applied twice or not at all shows as a factor of 65536
+            assert 0.5 < m["train/grad_norm"] / bf16[m["step"]]["train/grad_norm"] < 2
+        if stage == 2:  # the same initial weights and batches as the bf16 run (ZeRO-3 initialises under zero.Init)
+            assert all(abs(m["train/loss"] - bf16[m["step"]]["train/loss"]) < 0.01 for m in metrics), metrics
+            assert metrics[0]["train/grad_norm"] == pytest.approx(bf16[1]["train/grad_norm"], rel=0.01)
+        assert_exports_fp32_masters(run_dir, tmp_path)
+
+    recipe = finetune_recipe(shards, tmp_path / "finetune", tmp_path / "zero2" / "export", precision="fp16")
+    proc = run_fp16("finetune", write_recipe(tmp_path / "finetune.yaml", recipe))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    evals = [m for m in read_metrics(tmp_path / "finetune") if "val/top1" in m]
+    assert [m["step"] for m in evals] == [2, 4] and all(m["val/samples"] == 203 for m in evals)
+    assert all(math.isfinite(m["val/loss"]) for m in evals)
+    config_json = (tmp_path / "finetune" / "export" / "config.json").read_text()
+    assert '"num_classes": 4' in config_json
+
+
+def test_fp16_overflow_skips_steps_and_halves_the_scale_at_zero0(shards, tmp_path):
+    """Starting at 2^20 the scaled gradients overflow fp16: DeepSpeed skips those steps and halves the scale each
+    time until the gradients fit, then trains. At ZeRO-0 only the loop scales the loss (see core/engine/fp16.py):
+    without it nothing would overflow here, and every update would be 2^20 times too small."""
+    run_dir = pretrain_fp16(shards, tmp_path, "zero0", zero_stage=0, fp16_initial_scale_power=20)
+    metrics = [m for m in read_metrics(run_dir) if "train/loss" in m]
+    skipped = int(metrics[-1]["train/skipped_steps"])
+    assert 2 <= skipped < len(metrics), metrics
+    for m in metrics:
+        step = m["step"]
+        assert m["train/skipped_steps"] == min(step, skipped)
+        assert m["train/loss_scale"] == 2.0 ** (20 - min(step, skipped))
+        assert ("train/grad_norm" in m) == (step > skipped)  # no gradient norm of a skipped step
+        assert math.isfinite(m["train/loss"])
+    assert_exports_fp32_masters(run_dir, tmp_path)
