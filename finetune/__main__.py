@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             run.state.best_top1, run.state.best_step = metrics["val/top1"], step
             export(step, metrics)
         if ema is not None:
+            precision = "fp32" if cfg.engine.precision == "fp16" else cfg.engine.precision  # the EMA stays fp32
             ema_metrics = evaluate(
-                Classification(ema.module), _eval_loader(cfg, dist, eval_tf), dist=dist, precision=cfg.engine.precision
+                Classification(ema.module), _eval_loader(cfg, dist, eval_tf), dist=dist, precision=precision
             )
             metrics |= {k.replace("val/", "val_ema/"): v for k, v in ema_metrics.items()}
             run.logger.console(f"[mimpipe] step {step} eval (EMA weights): top1 {ema_metrics['val/top1']:.4f}")

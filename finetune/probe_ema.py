@@ -47,7 +47,12 @@ def fold_probe_head(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 
 class WeightEMA(nn.Module):
-    """A frozen exponential moving average of `module`'s parameters (buffers are copied, e.g. batch-norm stats)."""
+    """A frozen exponential moving average of `module`'s parameters (buffers are copied, e.g. batch-norm stats).
+
+    The average is held in fp32 buffers of a copy of `module`, not in parameters: DeepSpeed's fp16 mode casts every
+    parameter of the objective to fp16, where a step of (1 - decay) x the distance (decay 0.9999) falls below the
+    resolution and the average would never move; it leaves buffers as they are.
+    """
 
     def __init__(self, module: nn.Module, decay: float):
         super().__init__()
@@ -55,15 +60,23 @@ class WeightEMA(nn.Module):
             raise ValueError(f"optim.ema_decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.module = copy.deepcopy(module).requires_grad_(False).eval()
+        self.param_names = [name for name, _ in module.named_parameters()]
+        self.buffer_names = [name for name, _ in module.named_buffers()]
+        for owner in self.module.modules():
+            for name, param in list(owner.named_parameters(recurse=False)):
+                delattr(owner, name)
+                owner.register_buffer(name, param.detach().float())
 
     @torch.no_grad()
     def update(self, source: nn.Module) -> None:
         """One EMA step towards `source` (same architecture as the copy)."""
-        ema_params = list(self.module.parameters())
-        params = [p.detach().to(e.dtype) for p, e in zip(source.parameters(), ema_params, strict=True)]
-        torch._foreach_lerp_(ema_params, params, 1.0 - self.decay)
-        for ema_buffer, buffer in zip(self.module.buffers(), source.buffers(), strict=True):
-            ema_buffer.copy_(buffer)
+        ema = dict(self.module.named_buffers())
+        params = dict(source.named_parameters())
+        ema_params = [ema[name] for name in self.param_names]
+        torch._foreach_lerp_(ema_params, [params[name].detach().float() for name in self.param_names], 1.0 - self.decay)
+        buffers = dict(source.named_buffers())
+        for name in self.buffer_names:
+            ema[name].copy_(buffers[name])
 
     def train(self, mode: bool = True) -> WeightEMA:
         super().train(mode)

@@ -68,11 +68,12 @@ def test_fp16_trains_like_bf16_at_zero2_and_zero3_and_hands_off(zero2_run, shard
         assert_exports_fp32_masters(run_dir, tmp_path)
 
     recipe = finetune_recipe(shards, tmp_path / "finetune", tmp_path / "zero2" / "export", precision="fp16")
+    recipe["optim"] |= {"ema_decay": 0.9}
     proc = run_fp16("finetune", write_recipe(tmp_path / "finetune.yaml", recipe))
     assert proc.returncode == 0, proc.stderr[-4000:]
     evals = [m for m in read_metrics(tmp_path / "finetune") if "val/top1" in m]
     assert [m["step"] for m in evals] == [2, 4] and all(m["val/samples"] == 203 for m in evals)
-    assert all(math.isfinite(m["val/loss"]) for m in evals)
+    assert all(math.isfinite(m["val/loss"]) and math.isfinite(m["val_ema/loss"]) for m in evals)
     config_json = (tmp_path / "finetune" / "export" / "config.json").read_text()
     assert '"num_classes": 4' in config_json
 

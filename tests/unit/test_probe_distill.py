@@ -52,9 +52,24 @@ def test_ema_follows_the_hand_computed_average():
         model.weight.add_(4.0)
     ema.update(model)
     torch.testing.assert_close(ema.module.weight, start + 0.25 * 4.0)  # 0.75 * w0 + 0.25 * (w0 + 4)
-    assert not any(p.requires_grad for p in ema.parameters())
+    assert list(ema.parameters()) == []  # the average is in buffers: no optimizer or fp16 cast touches it
     ema.train()
     assert not ema.module.training
+
+
+def test_ema_stays_fp32_and_moves_when_deepspeed_casts_the_objective_to_fp16():
+    model = torch.nn.Linear(2, 1)
+    objective = torch.nn.ModuleDict({"model": model, "ema": WeightEMA(model, decay=0.9999)})
+    for p in objective.parameters():  # what DeepSpeed's fp16 mode does: parameters only, buffers left as they are
+        p.data = p.data.half()
+    ema = objective["ema"].module
+    start = ema.weight.clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    objective["ema"].update(model)
+    assert ema.weight.dtype == torch.float32
+    torch.testing.assert_close(ema.weight, start + 1e-4 * (model.weight.float() - start))
+    assert (ema.weight - start).abs().min() > 5e-5  # in fp16 a step of 1e-4 would round away near |w| = 0.5
 
 
 def test_soft_and_hard_distillation_losses_on_hand_values():
