@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,20 @@ def test_fp16_overflow_skips_steps_and_halves_the_scale_at_zero0(shards, tmp_pat
         assert ("train/grad_norm" in m) == (step > skipped)  # no gradient norm of a skipped step
         assert math.isfinite(m["train/loss"])
     assert_exports_fp32_masters(run_dir, tmp_path)
+
+    # resumed from step 3 (mid-way through the skips), steps 4-6 repeat: loss scale and skip count are checkpointed
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000006")
+    (resumed / "checkpoints" / "latest").write_text("step_00000003")
+    (resumed / "metrics.jsonl").unlink()
+    recipe = tmp_path / "resumed.yaml"
+    recipe.write_text((run_dir / "config.yaml").read_text().replace(str(run_dir), str(resumed)))
+    proc = run_fp16("pretrain", recipe)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    again = {m["step"]: m for m in read_metrics(resumed) if "train/loss" in m}
+    assert sorted(again) == [4, 5, 6]
+    for m in metrics[3:]:
+        assert again[m["step"]]["train/loss"] == pytest.approx(m["train/loss"], rel=1e-6, abs=1e-7)
+        assert again[m["step"]]["train/loss_scale"] == m["train/loss_scale"]
+        assert again[m["step"]]["train/skipped_steps"] == m["train/skipped_steps"]
