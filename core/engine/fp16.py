@@ -6,11 +6,10 @@ optimizers get it; deepspeedai/DeepSpeed PR #8393), yet its fp16 optimizer divid
 the update: every update would be 65536x too small and small fp16 gradients would underflow. The loop scales the loss
 itself where `engine.backward` will not (`scales_loss_itself`).
 
-Export: DeepSpeed computes with an fp16 copy of every parameter and keeps the weights the
-optimizer updates in fp32: in the ZeRO-1/2/3 partitions, or at ZeRO-0 in its fp16 optimizer's `fp32_groups`. An
-export made from the fp16 module would round every weight to 11 significant bits, so exports read the fp32 copy.
-Parameters the optimizer does not hold (frozen ones, e.g. MAE's fixed sin-cos `pos_embed`) have no fp32 copy and keep
-the value the run computed with.
+Export: DeepSpeed computes with an fp16 copy of every parameter and keeps the weights the optimizer updates in fp32:
+in the ZeRO-1/2/3 partitions, or at ZeRO-0 in its fp16 optimizer's `fp32_groups`. An export made from the fp16 module
+would round every weight to 11 significant bits, so exports read the fp32 copy. Parameters the optimizer does not
+hold (frozen ones, e.g. MAE's fixed sin-cos `pos_embed`) have no fp32 copy and keep the value the run computed with.
 """
 
 from __future__ import annotations
