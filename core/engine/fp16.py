@@ -35,14 +35,13 @@ def fp32_master_weights(engine, module: nn.Module) -> dict[str, torch.Tensor]:
 
     Collective at ZeRO-1/2/3 (each rank holds a partition): every rank must call it, in the same order.
     """
-    names = {id(p): name for name, p in module.named_parameters()}
     if engine.zero_optimization_stage() == 0:
-        optimizer = engine.optimizer
+        groups = zip(zero0_master_names(engine, module), engine.optimizer.fp32_groups, strict=True)
         return {
-            names[id(p16)]: p32.detach().cpu().clone()
-            for group16, group32 in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True)
-            for p16, p32 in zip(group16, group32, strict=True)
-            if id(p16) in names
+            name: p32.detach().cpu().clone()
+            for names, group32 in groups
+            for name, p32 in zip(names, group32, strict=True)
+            if name is not None
         }
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -55,10 +54,11 @@ def fp32_master_weights(engine, module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def zero0_master_names(engine) -> list[list[str]]:
-    """The parameter names of each fp32 group of a ZeRO-0 fp16 engine, saved in its checkpoints (`MASTER_NAMES`)."""
-    names = {id(p): name for name, p in engine.module.named_parameters()}
-    return [[names[id(p)] for p in group] for group in engine.optimizer.fp16_groups]
+def zero0_master_names(engine, module: nn.Module | None = None) -> list[list[str | None]]:
+    """The names in `module` (default: the engine's whole module, as its checkpoints save them under `MASTER_NAMES`)
+    of each fp32 group's parameters of a ZeRO-0 fp16 engine; None for a parameter outside `module`."""
+    names = {id(p): name for name, p in (module or engine.module).named_parameters()}
+    return [[names.get(id(p)) for p in group] for group in engine.optimizer.fp16_groups]
 
 
 def zero0_masters_from_checkpoint(states: dict, source: Path) -> dict[str, torch.Tensor]:
