@@ -81,6 +81,9 @@ class DataConfig(Section):
     """Training shards: a directory with index.json, a brace pattern, or a list of paths/URLs."""
     val: str | list[str] | None = None
     """Held-out shards for evaluation (fine-tuning)."""
+    label_field: str | None = None
+    """Where fine-tuning reads each sample's class: None reads `.cls`; a name reads that integer field of the
+    sample's `.json` (e.g. `label`). Pretraining reads no labels."""
     global_batch_size: int = Field(256, gt=0)
     """Samples per optimizer step over all ranks and accumulation micro-steps."""
     num_workers: int = Field(2, ge=0)
