@@ -13,16 +13,20 @@ worker, ...), and each sample's augmentation runs under RNGs seeded from its pos
 The caller's global torch/python/numpy RNG state is restored after every batch, so an in-process
 loader never disturbs the trainer's randomness (e.g. MAE mask noise).
 
+Samples: any sample with an image field (`jpg`, `jpeg`, `png`, `webp`, any case) streams; its label is read only
+when the loader needs labels (`.cls`, or an integer field of its `.json`), otherwise "label" is -1. Samples with no
+image field and images that do not decode are skipped, logged and counted ("num_corrupt"); a missing label stops.
+
 Resume: `skip_batches=N` drops each worker's share of the first N batches as raw samples, before
-decoding. It reproduces the uninterrupted run exactly unless the skipped range held corrupt images
-(each one, never decoded, shifts the resumed stream by one sample).
+decoding; a sample's position counts only samples with an image field. It reproduces the uninterrupted run exactly
+unless the skipped range held corrupt images (each one, never decoded, shifts the resumed stream by one sample).
 
 Shapes: B batch size, H/W image height/width after the transform.
 """
 
 import contextlib
+import functools
 import glob
-import io
 import itertools
 import logging
 import os
@@ -39,13 +43,15 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.gopen import gopen_schemes
 
+from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS, decode_rgb, image_field, read_label
 from data.write import INDEX_FILE, read_index
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
+NO_LABEL = -1
+"""The "label" of every sample in a batch from a loader that reads no labels (pretraining)."""
 _PER_SAMPLE_FIELDS = ("label", "key", "num_corrupt")
-_CORRUPT_IMAGE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+_IMAGE_TYPES = ", ".join(IMAGE_FIELDS)
 # Purpose tags mixed into seeds so the RNGs drawn from one user seed are independent of each other.
 _SEED_SHARD_ORDER, _SEED_SHARD_DRAW, _SEED_SHUFFLE, _SEED_AUGMENT, _SEED_LOADER = range(5)
 
@@ -116,6 +122,8 @@ def make_train_loader(
     shuffle_buffer: int,
     resampled: bool = True,
     skip_batches: int = 0,
+    labels: bool = True,
+    label_field: str | None = None,
 ) -> DataLoader:
     """An endless, deterministic stream of training batches for one rank.
 
@@ -132,10 +140,15 @@ def make_train_loader(
         resampled: Draw shards with replacement per (rank, worker) instead of splitting each epoch's
             shard permutation over all streams.
         skip_batches: Number of leading batches to skip without decoding them (exact resume).
+        labels: Read each sample's label; a sample without one raises `LabelError`. False (pretraining) reads
+            none and gives every sample the label -1 (`NO_LABEL`).
+        label_field: Where labels are read from: None reads `.cls`, a name reads that integer field of the
+            sample's `.json` (`data.label_field`).
 
     Returns:
         A DataLoader of batch dicts: "image" (B, 3, H, W) float32, "label" (B,) int64, "key" list of B
-        str, "num_corrupt" int64 scalar (corrupt samples the producing worker skipped since its last batch).
+        str, "num_corrupt" int64 scalar (samples without a usable image the producing worker skipped since its
+        last batch).
     """
     _check_loader_args(shards, batch_size, seed, rank, world_size, num_workers)
     num_streams = world_size * max(num_workers, 1)
@@ -157,6 +170,8 @@ def make_train_loader(
         shuffle_buffer=shuffle_buffer,
         resampled=resampled,
         skip_batches=skip_batches,
+        labels=labels,
+        label_field=label_field,
     )
     return _make_loader(stream, num_workers)
 
@@ -169,18 +184,21 @@ def make_eval_loader(
     rank: int,
     world_size: int,
     num_workers: int,
+    labels: bool = True,
+    label_field: str | None = None,
 ) -> DataLoader:
     """One pass over the shards in order; across all ranks and workers every sample appears once.
 
     Uses fewer workers when there are fewer than `world_size * num_workers` shards. Each worker's last
-    batch may be partial. Batches are as in `make_train_loader`.
+    batch may be partial. Arguments and batches are as in `make_train_loader`.
     """
     _check_loader_args(shards, batch_size, 0, rank, world_size, num_workers)
     if len(shards) < world_size:
         raise ValueError(f"shard spec {_describe(shards)}: {len(shards)} shards for {world_size} ranks; need >= 1 each")
     stream = _ShardStream(
-        shards, transform=transform, batch_size=batch_size, seed=0, rank=rank, world_size=world_size, train=False
-    )
+        shards, transform=transform, batch_size=batch_size, seed=0, rank=rank, world_size=world_size, train=False,
+        labels=labels, label_field=label_field,
+    )  # fmt: skip
     return _make_loader(stream, min(num_workers, len(shards) // world_size))
 
 
@@ -200,11 +218,14 @@ class _ShardStream(IterableDataset):
         shuffle_buffer: int = 0,
         resampled: bool = False,
         skip_batches: int = 0,
+        labels: bool = True,
+        label_field: str | None = None,
     ) -> None:
         super().__init__()
         self.shards, self.transform, self.batch_size = list(shards), transform, batch_size
         self.seed, self.rank, self.world_size, self.train = seed, rank, world_size, train
         self.shuffle_buffer, self.resampled, self.skip_batches = shuffle_buffer, resampled, skip_batches
+        self.labels, self.label_field = labels, label_field
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         loader_worker, num_workers = _worker_position()
@@ -219,8 +240,9 @@ class _ShardStream(IterableDataset):
             samples = _read_shards(self.shards[stream_id::num_streams])
         own_skipped = self.skip_batches // num_workers + int(worker < self.skip_batches % num_workers)
         num_skipped = own_skipped * self.batch_size
-        samples = itertools.islice(samples, num_skipped, None)  # raw samples: nothing decoded
-        decoded = _decode(samples, self.transform, (self.seed, _SEED_AUGMENT, self.rank, worker), num_skipped)
+        samples = _skip_image_samples(samples, num_skipped)  # raw samples: nothing decoded
+        label_of = functools.partial(read_label, label_field=self.label_field) if self.labels else _no_label
+        decoded = _decode(samples, self.transform, label_of, (self.seed, _SEED_AUGMENT, self.rank, worker), num_skipped)
         batches = wds.batched(self.batch_size, collation_fn=_collate, partial=not self.train)(decoded)
         return _restore_global_rngs(batches)
 
@@ -299,39 +321,66 @@ def _why_unreadable(exn: Exception) -> str:
     return f"{_CURL_EXITS.get(status, 'curl failed')} (curl exit {status})"
 
 
+def _skip_image_samples(samples: Iterator[dict[str, Any]], count: int) -> Iterator[dict[str, Any]]:
+    """`samples` after the first `count` that have an image field (and the imageless ones among them), undecoded.
+
+    Counting only samples with an image keeps a resumed stream exact across imageless samples: `_decode` skips
+    them without giving them a position, so their count never shifts where the resumed stream starts.
+    """
+    seen = 0
+    for sample in samples:
+        if seen == count:
+            yield sample
+        else:
+            seen += image_field(sample) is not None
+
+
+def _no_label(sample: dict[str, Any]) -> int:
+    """The label of every sample when none are read."""
+    return NO_LABEL
+
+
 def _decode(
     samples: Iterator[dict[str, Any]],
     transform: Callable[[Image.Image], Any],
+    label_of: Callable[[dict[str, Any]], int],
     seed_prefix: tuple[int, ...],
     first_index: int,
 ) -> Iterator[dict[str, Any]]:
-    """Decodes images to RGB and transforms them; corrupt images are skipped, logged and counted.
+    """Decodes images to RGB and transforms them; samples with no image or a corrupt one are skipped, logged, counted.
 
-    Sample `first_index + i` of the stream is transformed under RNGs seeded from (*seed_prefix, index).
-    Each output carries "num_corrupt": the corrupt samples skipped right before it.
+    Sample `first_index + i` of the stream (counting samples with an image field) is transformed under RNGs
+    seeded from (*seed_prefix, index). Each output carries "num_corrupt": the samples skipped right before it,
+    and the label `label_of(sample)` gives.
+
+    Raises:
+        LabelError: From `label_of`, for a sample whose label is missing or not an integer.
     """
-    num_corrupt = 0
-    for index, sample in enumerate(samples, start=first_index):
-        key, url = sample["__key__"], sample["__url__"]
-        ext = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
-        if ext is None or "cls" not in sample:
-            raise ValueError(f"sample {key} in shard {url} needs an image and a .cls entry, has {sorted(sample)}")
+    num_corrupt, index = 0, first_index - 1
+    for sample in samples:
+        key, url, field = sample["__key__"], sample["__url__"], image_field(sample)
+        if field is None:
+            names = ", ".join(sorted(name for name in sample if not name.startswith("__")))
+            log.warning("skipping sample %s in shard %s: no image field (%s), has %s", key, url, _IMAGE_TYPES, names)
+            num_corrupt += 1
+            continue
+        index += 1
+        label = label_of(sample)
         try:
-            with Image.open(io.BytesIO(sample[ext])) as img:
-                image = img.convert("RGB")
-        except _CORRUPT_IMAGE_ERRORS as exn:
-            log.warning("skipping corrupt image of sample %s in shard %s: %s", key, url, exn)
+            image = decode_rgb(sample[field])
+        except CORRUPT_IMAGE_ERRORS as exn:
+            log.warning("skipping corrupt image %s of sample %s in shard %s: %s", field, key, url, exn)
             num_corrupt += 1
             continue
         _seed_global_rngs(_mix_seed(*seed_prefix, index))  # restored by _restore_global_rngs
         out = transform(image)
         fields = out if isinstance(out, dict) else {"image": out}
-        yield {**fields, "label": int(sample["cls"]), "key": key, "num_corrupt": num_corrupt}
+        yield {**fields, "label": label, "key": key, "num_corrupt": num_corrupt}
         num_corrupt = 0
 
 
 def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stacks the transform outputs into (B, ...) tensors; labels (B,), keys list, num_corrupt summed."""
+    """Stacks the transform outputs into (B, ...) tensors; labels (B,) (all -1 without labels), keys, num_corrupt."""
     batch = {name: torch.stack([s[name] for s in samples]) for name in samples[0] if name not in _PER_SAMPLE_FIELDS}
     batch["label"] = torch.tensor([s["label"] for s in samples], dtype=torch.int64)  # (B,)
     batch["key"] = [s["key"] for s in samples]

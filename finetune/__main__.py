@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         num_classes=num_classes, mixup=a.mixup, cutmix=a.cutmix, prob=a.mix_prob, switch_prob=a.mix_switch_prob,
         label_smoothing=cfg.objective.label_smoothing,
     )  # fmt: skip
-    batches = mixed(train_stream(cfg, dist, train_tf, skip_batches=run.state.batches_consumed), mix)
+    batches = mixed(train_stream(cfg, dist, train_tf, skip_batches=run.state.batches_consumed, labels=True), mix)
     eval_tf = eval_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, crop_pct=cfg.data.eval_crop_pct)
 
     # Model and objective (same init on every rank); the resumed checkpoint, if any, is loaded over them
@@ -164,6 +164,7 @@ def _eval_loader(cfg, dist, transform):
         rank=dist.rank,
         world_size=dist.world_size,
         num_workers=cfg.data.num_workers,
+        label_field=cfg.data.label_field,
     )
 
 

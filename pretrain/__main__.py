@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return train_tokenizer(run)
 
     # Data: the endless training stream, positioned where the resumed run left it
-    batches = train_stream(cfg, dist, train_transform(cfg), skip_batches=run.state.batches_consumed)
+    batches = train_stream(cfg, dist, train_transform(cfg), skip_batches=run.state.batches_consumed, labels=False)
 
     # Objective (same init on every rank) and engine
     seed_everything(cfg.seed)
@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     # Reconstructions of one fixed batch with one fixed mask, so pictures are comparable across steps.
     fixed_tf = eval_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, crop_pct=1.0)
     fixed_loader = make_eval_loader(
-        resolve_shards(cfg.data.train)[:1], transform=fixed_tf, batch_size=8, rank=0, world_size=1, num_workers=0
-    )
+        resolve_shards(cfg.data.train)[:1], transform=fixed_tf, batch_size=8, rank=0, world_size=1, num_workers=0,
+        labels=False,
+    )  # fmt: skip
     fixed = to_device(next(iter(fixed_loader)), dist.device, cfg.engine.precision)
 
     def log_images(step: int) -> None:

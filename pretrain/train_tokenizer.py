@@ -47,7 +47,7 @@ def train_tokenizer(run: StageRun) -> int:
 
     # Data: MAE's crop-and-flip at the tokenizer's resolution
     transform = pretrain_transform(img_size, cfg.data.mean, cfg.data.std, scale=cfg.data.crop_scale)
-    batches = train_stream(cfg, dist, transform, skip_batches=run.state.batches_consumed)
+    batches = train_stream(cfg, dist, transform, skip_batches=run.state.batches_consumed, labels=False)
 
     # Model (same init on every rank). Its EMA codebook statistics are summed over ranks so every rank keeps the
     # same codebook: the one piece of distribution the tokenizer needs, applied here from outside.
@@ -58,8 +58,9 @@ def train_tokenizer(run: StageRun) -> int:
 
     fixed_tf = eval_transform(img_size, cfg.data.mean, cfg.data.std, crop_pct=1.0)
     fixed_loader = make_eval_loader(
-        resolve_shards(cfg.data.train)[:1], transform=fixed_tf, batch_size=8, rank=0, world_size=1, num_workers=0
-    )
+        resolve_shards(cfg.data.train)[:1], transform=fixed_tf, batch_size=8, rank=0, world_size=1, num_workers=0,
+        labels=False,
+    )  # fmt: skip
     fixed = to_device(next(iter(fixed_loader)), dist.device, cfg.engine.precision)
 
     def log_images(step: int) -> None:

@@ -196,8 +196,11 @@ def launch_plan(cfg: Config, dist: DistInfo, *, total_steps: int, warmup_steps: 
     )
 
 
-def train_stream(cfg: Config, dist: DistInfo, transform, *, skip_batches: int):
-    """The endless per-rank training stream, positioned after `skip_batches` micro-batches."""
+def train_stream(cfg: Config, dist: DistInfo, transform, *, skip_batches: int, labels: bool):
+    """The endless per-rank training stream, positioned after `skip_batches` micro-batches.
+
+    `labels`: read each sample's class as `data.label_field` says (fine-tuning); False streams every sample with an
+    image and labels it -1 (pretraining)."""
     return iter(
         make_train_loader(
             resolve_shards(cfg.data.train),
@@ -210,6 +213,8 @@ def train_stream(cfg: Config, dist: DistInfo, transform, *, skip_batches: int):
             shuffle_buffer=cfg.data.shuffle_buffer,
             resampled=cfg.data.resampled,
             skip_batches=skip_batches,
+            labels=labels,
+            label_field=cfg.data.label_field,
         )
     )
 
