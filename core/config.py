@@ -245,7 +245,10 @@ class Config(Section):
         s = self.schedule
         needs_epochs = s.epochs is not None or s.warmup_epochs is not None
         if needs_epochs and not samples_per_epoch:
-            raise ConfigError("schedule in epochs needs data.samples_per_epoch or an index.json beside the shards")
+            raise ConfigError(
+                "schedule in epochs needs data.samples_per_epoch or an index.json beside the shards "
+                "(write one with `python -m data index SPEC`)"
+            )
         per_epoch = (samples_per_epoch or 1) / self.data.global_batch_size
         total = s.steps if s.steps is not None else max(1, math.ceil(s.epochs * per_epoch))
         warmup = s.warmup_steps if s.warmup_steps is not None else math.ceil((s.warmup_epochs or 0) * per_epoch)

@@ -4,6 +4,7 @@ python -m data write --source fashion-mnist --split test --out /data/fm/test --s
 python -m data write --source imagefolder --path /data/imagenet/train --out /data/in1k/train --shard-size 5000
 python -m data write --source synthetic --num-samples 512 --image-size 32 --out /tmp/syn --shard-size 128
 python -m data inspect /data/fm/test          (a directory, a brace pattern or a glob)
+python -m data index '/data/laion/{00000..00127}.tar' [--label-field label]   (shards other tools wrote)
 """
 
 import argparse
@@ -11,28 +12,32 @@ import io
 import itertools
 import os
 import sys
-import tarfile
 import time
+from collections import Counter
 
 import webdataset as wds
 from PIL import Image
 
 from data import sources
-from data.pipeline import IMAGE_EXTENSIONS, dataset_size, resolve_shards
+from data.decode import CORRUPT_IMAGE_ERRORS, LabelError, decode_rgb, image_field, read_label
+from data.index import index_shards, local_shards, shard_samples
+from data.pipeline import dataset_size
 from data.write import INDEX_FILE, read_index, write_shards
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Runs `write` or `inspect` with the given arguments (default: sys.argv)."""
+    """Runs `write`, `index` or `inspect` with the given arguments (default: sys.argv)."""
     args = _parser().parse_args(argv)
     if args.command == "write":
         _write(args)
+    elif args.command == "index":
+        _index(args)
     else:
-        print("\n".join(inspect_shards(args.spec, args.num_show)))
+        print("\n".join(inspect_shards(args.spec, args.num_show, label_field=args.label_field)))
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The `write` and `inspect` sub-commands and their options."""
+    """The `write`, `index` and `inspect` sub-commands and their options."""
     parser = argparse.ArgumentParser(prog="python -m data", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     write = commands.add_parser("write", help="write a labelled image source as WebDataset shards")
@@ -46,9 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     write.add_argument("--image-size", type=int, default=32, help="synthetic: height and width")
     write.add_argument("--num-classes", type=int, default=10, help="synthetic: number of classes")
     write.add_argument("--seed", type=int, default=0, help="synthetic: generator seed")
+    index = commands.add_parser("index", help="write the index.json of shards another tool wrote")
+    index.add_argument("spec", nargs="+", help="shard folder (every *.tar), brace pattern, glob, or several paths")
+    index.add_argument("--label-field", help="read labels from this integer field of each .json (default: .cls)")
+    index.add_argument("--out", help="folder for index.json (default: the shards' folder; needed for several)")
+    index.add_argument("--force", action="store_true", help="rewrite an index.json that is already there")
     inspect = commands.add_parser("inspect", help="summarise shards and decode a few samples")
     inspect.add_argument("spec", help="shard directory, brace pattern or glob")
     inspect.add_argument("--num-show", type=int, default=4, help="samples to decode and print")
+    inspect.add_argument("--label-field", help="show labels from this integer field of each .json (default: .cls)")
     return parser
 
 
@@ -71,38 +82,67 @@ def _write(args: argparse.Namespace) -> None:
     print(f"wrote {index['num_samples']} samples in {len(index['shards'])} shards to {args.out} in {seconds:.1f} s")
 
 
-def inspect_shards(spec: str, num_show: int = 4) -> list[str]:
+def _index(args: argparse.Namespace) -> None:
+    """Indexes the shards of `args.spec`; prints what it found and where the index went."""
+    spec = args.spec[0] if len(args.spec) == 1 else args.spec
+    path, index = index_shards(spec, label_field=args.label_field, out=args.out, force=args.force)
+    labels = f"{len(index['classes'])} classes from {index['labels_from']}" if index["labels_from"] else "no labels"
+    print(
+        f"indexed {index['num_samples']} samples in {len(index['shards'])} shards ({labels}; "
+        f"without an image: {index['num_without_image']}) -> {path}"
+    )
+    if index["labels_from"] is None and index["num_without_cls"]:
+        print(f"{index['num_without_cls']} of {index['num_samples']} samples have no .cls: no labels recorded")
+
+
+def inspect_shards(spec: str, num_show: int = 4, *, label_field: str | None = None) -> list[str]:
     """Describes local shards: counts (scanned from the tar headers), index fields and the first samples.
 
     Args:
-        spec: Shard directory, brace pattern, glob or single path (see `resolve_shards`).
+        spec: Shard directory (with an index.json, or every `*.tar` in it), brace pattern, glob or single path.
         num_show: Number of samples of the first shard to decode and describe.
+        label_field: Show labels from this integer field of each `.json` instead of `.cls`.
 
     Returns:
         Lines of text.
     """
-    shards = resolve_shards(spec)
-    num_samples = 0
-    for shard in shards:
-        with tarfile.open(shard) as tar:
-            num_samples += len({wds.tariterators.base_plus_ext(name)[0] for name in tar.getnames()})
-    directory = os.path.dirname(shards[0])
+    shards = local_shards(spec)
+    has_image = Counter(image_field(sample) is not None for shard in shards for sample in shard_samples(shard))
+    directory = spec if os.path.isdir(spec) else os.path.dirname(shards[0])
     index = read_index(directory) if os.path.isfile(os.path.join(directory, INDEX_FILE)) else {}
-    classes = index.get("classes", [])
+    classes = index.get("classes") or []
     lines = [
         f"shards: {len(shards)} ({shards[0]} ... {shards[-1]})",
-        f"samples: {num_samples} (index.json: {dataset_size(spec)})",
+        f"samples: {has_image[True]} (index.json: {dataset_size(spec) if index else None})"
+        + (f"; without an image: {has_image[False]} (the loaders skip them)" if has_image[False] else ""),
         f"classes ({len(classes)}): {', '.join(classes)}",
         f"image_size: {index.get('image_size')}  source: {index.get('source')}  split: {index.get('split')}",
     ]
     for sample in itertools.islice(wds.tarfile_samples([{"url": shards[0]}]), num_show):
-        ext = next(e for e in IMAGE_EXTENSIONS if e in sample)
-        with Image.open(io.BytesIO(sample[ext])) as img:
-            image = f"{ext} {img.width}x{img.height} {img.mode}"
-        label = int(sample["cls"])
-        name = classes[label] if label < len(classes) else "?"
-        lines.append(f"  {sample['__key__']}: {image}  label {label} ({name})")
+        lines.append(f"  {sample['__key__']}: {_describe_sample(sample, classes, label_field)}")
     return lines
+
+
+def _describe_sample(sample: dict, classes: list[str], label_field: str | None) -> str:
+    """`jpg 64x48 CMYK  label 3 (cat)  other fields: json, txt` (the image's stored mode, its size as decoded), or
+    what keeps the loaders from using it."""
+    field = image_field(sample)
+    others = ", ".join(sorted(name for name in sample if not name.startswith("__") and name != field))
+    if field is None:
+        return f"no image (skipped by the loaders)  fields: {others}"
+    try:
+        with Image.open(io.BytesIO(sample[field])) as img:
+            mode = img.mode
+        rgb = decode_rgb(sample[field])  # its size is after EXIF orientation, as the loaders see it
+        image = f"{field} {rgb.width}x{rgb.height} {mode}"
+    except CORRUPT_IMAGE_ERRORS as exn:
+        image = f"{field} corrupt ({exn}), skipped by the loaders"
+    try:
+        label = read_label(sample, label_field)
+        text = f"label {label} ({classes[label] if 0 <= label < len(classes) else '?'})"
+    except LabelError:
+        text = "no label"
+    return f"{image}  {text}  other fields: {others or 'none'}"
 
 
 if __name__ == "__main__":

@@ -91,8 +91,10 @@ def dataset_size(spec: str | list[str]) -> int | None:
     Returns:
         The sum of the shards' `num_samples`, or None when some shard is not listed in an index.
     """
-    counts: dict[str, int] = {}
     shards = resolve_shards(spec)
+    if isinstance(spec, str) and os.path.isdir(spec):  # its index lists these shards, which may lie in other folders
+        return read_index(spec)["num_samples"]
+    counts: dict[str, int] = {}
     for directory in {os.path.dirname(s) for s in shards}:
         if os.path.isfile(os.path.join(directory, INDEX_FILE)):
             for entry in read_index(directory)["shards"]:
@@ -103,8 +105,9 @@ def dataset_size(spec: str | list[str]) -> int | None:
 
 
 def dataset_classes(spec: str | list[str]) -> list[str]:
-    """Class names from the `index.json` beside the first shard of `spec` ([] when there is none)."""
-    directory = os.path.dirname(resolve_shards(spec)[0])
+    """Class names from the `index.json` of `spec`'s folder, else beside its first shard ([] when there is none)."""
+    is_folder = isinstance(spec, str) and os.path.isdir(spec)
+    directory = spec if is_folder else os.path.dirname(resolve_shards(spec)[0])
     if not os.path.isfile(os.path.join(directory, INDEX_FILE)):
         return []
     return list(read_index(directory).get("classes") or [])

@@ -112,7 +112,7 @@ def test_fashion_mnist_cli_writes_real_images(tmp_path, capsys):
     main(["inspect", str(out)])
     text = capsys.readouterr().out
     assert "shards: 3" in text and "samples: 50 (index.json: 50)" in text and "Ankle boot" in text
-    assert "test_00000000: png 28x28 L" in text
+    assert "test_00000000: png 28x28 L  label 9 (Ankle boot)  other fields: cls, json" in text
 
 
 def test_fashion_mnist_missing_or_bad_files_name_the_path(tmp_path):
@@ -149,4 +149,7 @@ def test_imagefolder_sorted_classes_formats_and_inspect(tmp_path):
 
     lines = inspect_shards(str(tmp_path / "out" / "train-*.tar"), num_show=2)
     assert lines[0].startswith("shards: 2") and lines[1] == "samples: 4 (index.json: 4)"
-    assert lines[4:] == ["  train_00000000: png 9x7 RGB  label 0 (ant)", "  train_00000001: png 9x7 RGB  label 0 (ant)"]
+    assert lines[4:] == [
+        "  train_00000000: png 9x7 RGB  label 0 (ant)  other fields: cls, json",
+        "  train_00000001: png 9x7 RGB  label 0 (ant)  other fields: cls, json",
+    ]
