@@ -72,6 +72,11 @@ def resolve_shards(spec: str | list[str]) -> list[str]:
     if isinstance(spec, list | tuple):
         shards = [str(s) for s in spec]
     elif os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, INDEX_FILE)):
+            raise ValueError(
+                f"shard directory {spec} has no {INDEX_FILE}: write one with `python -m data index {spec}`, or give "
+                "a brace pattern or glob of its shards"
+            )
         shards = [os.path.join(spec, s["name"]) for s in read_index(spec)["shards"]]
     elif any(c in spec for c in "*?["):
         shards = sorted(glob.glob(spec))
