@@ -38,12 +38,14 @@ class ShardCount:
     labels: Counter = field(default_factory=Counter)
 
 
-def local_shards(spec: str | list[str]) -> list[str]:
-    """Local shard paths of a brace pattern, a glob, a list, or a folder (its index.json, else every `*.tar`)."""
-    if isinstance(spec, str) and os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, INDEX_FILE)):
+def local_shards(spec: str | list[str], *, use_index: bool = True) -> list[str]:
+    """Local shard paths of a brace pattern, a glob, a list, or a folder: the shards its index.json lists, or every
+    `*.tar` in it when it has none or `use_index` is False."""
+    is_folder = isinstance(spec, str) and os.path.isdir(spec)
+    if is_folder and not (use_index and os.path.isfile(os.path.join(spec, INDEX_FILE))):
         shards = sorted(glob.glob(os.path.join(spec, "*.tar")))
         if not shards:
-            raise ValueError(f"shard folder {spec} holds no index.json and no *.tar files")
+            raise ValueError(f"shard folder {spec} holds no *.tar files")
         return shards
     shards = resolve_shards(spec)
     remote = [s for s in shards if s.startswith("pipe:") or "://" in s]
@@ -129,7 +131,7 @@ def index_shards(
         ValueError: If the shards span several folders and `out` is not given, or an index is there without
             `force`; `LabelError` as in `count_shard`.
     """
-    shards = local_shards(spec)
+    shards = local_shards(spec, use_index=False)  # a folder's shards as they are now
     folders = sorted({os.path.dirname(os.path.abspath(s)) for s in shards})
     if out is None and len(folders) > 1:
         raise ValueError(

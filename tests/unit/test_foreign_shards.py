@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import re
+import shutil
 
 import pytest
 import torch
@@ -92,6 +93,12 @@ def test_a_missing_label_stops_fine_tuning_naming_key_shard_and_field(tmp_path):
     paths = [str(p) for p in write_img2dataset_shards(tmp_path, drop_label="000010003")]
     with pytest.raises(LabelError, match=rf"sample 000010003 in shard {re.escape(paths[1])}: .* no field 'label'"):
         _eval(paths, label_field="label")
+    train = make_train_loader(
+        paths[1:], transform=_recording_transform, batch_size=8, seed=0, rank=0, world_size=1, num_workers=1,
+        shuffle_buffer=0, resampled=False, label_field="label",
+    )  # fmt: skip
+    with pytest.raises(LabelError, match=r"sample 000010003 .* no field 'label'"):  # raised again from the worker
+        next(iter(train))
     with pytest.raises(LabelError, match=rf"sample 000000000 in shard {re.escape(paths[0])} has no .cls label"):
         _eval(paths)  # labels from .cls by default: img2dataset shards have none
     assert [k for b in _eval(paths, labels=False) for k in b["key"]] == GOOD_KEYS  # pretraining needs none
@@ -135,9 +142,11 @@ def test_index_counts_samples_and_classes_and_epochs_convert(tmp_path):
 
     with pytest.raises(ValueError, match=re.escape(f"{folder}/index.json already exists; pass --force")):
         index_shards(folder, label_field="label")
+    shutil.copy(paths[1], tmp_path / "laion" / "00002.tar")  # a folder is re-indexed with every *.tar now in it
     _, unlabelled = index_shards(folder, force=True)  # no --label-field and no .cls: no classes
-    assert unlabelled["num_samples"] == 9 and unlabelled["classes"] == [] and unlabelled["labels_from"] is None
-    assert unlabelled["num_without_cls"] == 9 and dataset_classes(folder) == []
+    assert [s["num_samples"] for s in unlabelled["shards"]] == [4, 5, 5] and unlabelled["num_samples"] == 14
+    assert unlabelled["classes"] == [] and unlabelled["labels_from"] is None and unlabelled["num_without_cls"] == 14
+    assert dataset_classes(folder) == [] and dataset_size(folder) == 14
 
 
 def test_index_reads_cls_labels_and_refuses_shards_in_several_folders(tmp_path):
