@@ -1,5 +1,7 @@
-"""Checkpoints under `run_dir/checkpoints/`: one DeepSpeed tag per save plus, per rank, a JSON file with the step,
-the data-stream position and every RNG state; the resolved config sits beside them as YAML.
+"""Checkpoints under `run_dir/checkpoints/`: one DeepSpeed tag per save (model and optimizer, partitioned the way
+ZeRO holds them) plus, per rank, a JSON file with every other `Stateful` the run names (the loop's: "train", the
+step, counters and data-stream position of `TrainState`, and "rng", every RNG state); the resolved config sits
+beside them as YAML.
 
 Write order: all ranks save their shards -> barrier -> rank 0 replaces `latest` atomically -> old tags are pruned.
 A crash at any point leaves `latest` naming a complete checkpoint.
@@ -16,7 +18,9 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,6 +29,16 @@ from core.engine.distributed import DistInfo, barrier
 from core.engine.fp16 import MASTER_NAMES, zero0_master_names
 
 LATEST = "latest"
+PER_RANK_STATES = ("rng",)
+"""States that belong to the ranks that wrote them and do not carry over to another world size."""
+
+
+class Stateful(Protocol):
+    """What a checkpoint saves and restores besides the DeepSpeed engine (torchtitan's `Stateful`): JSON-safe values."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -35,29 +49,30 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def rng_state() -> dict:
-    """Python, NumPy and torch (CPU and CUDA) RNG states as JSON-safe values."""
-    b64 = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
-    np_state = np.random.get_state()
-    state = {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": b64(torch.get_rng_state()),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
+class RNGState:
+    """The global Python, NumPy and torch (CPU and CUDA) RNGs as a `Stateful` of JSON-safe values."""
 
+    def state_dict(self) -> dict:
+        b64 = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+        np_state = np.random.get_state()
+        state = {
+            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "torch": b64(torch.get_rng_state()),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
+        return state
 
-def set_rng_state(state: dict) -> None:
-    unb64 = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(unb64(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([unb64(s) for s in state["cuda"]])
+    def load_state_dict(self, state: dict) -> None:
+        unb64 = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        name, keys, *rest = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+        torch.set_rng_state(unb64(state["torch"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([unb64(s) for s in state["cuda"]])
 
 
 def _tag(step: int) -> str:
@@ -65,9 +80,16 @@ def _tag(step: int) -> str:
 
 
 def save_checkpoint(
-    engine, *, run_dir: Path, step: int, dist: DistInfo, train_state: dict, config_yaml: str, keep_last: int
+    engine,
+    *,
+    run_dir: Path,
+    step: int,
+    dist: DistInfo,
+    states: Mapping[str, Stateful],
+    config_yaml: str,
+    keep_last: int,
 ) -> Path:
-    """Save model, optimizer, step, data position and RNG; returns the tag directory."""
+    """Save model and optimizer (DeepSpeed) and each of `states` under its name; returns the tag directory."""
     ckpt_dir = run_dir / "checkpoints"
     tag = _tag(step)
     client_state = {"step": step}
@@ -75,8 +97,8 @@ def save_checkpoint(
         client_state[MASTER_NAMES] = zero0_master_names(engine)  # lets an offline export name the fp32 weights
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
     tag_dir = ckpt_dir / tag
-    state = {"step": step, "world_size": dist.world_size, "rng": rng_state(), **train_state}
-    _atomic_write(tag_dir / f"rank_{dist.rank:05d}.json", json.dumps(state))
+    saved = {"world_size": dist.world_size, **{name: stateful.state_dict() for name, stateful in states.items()}}
+    _atomic_write(tag_dir / f"rank_{dist.rank:05d}.json", json.dumps(saved))
     if dist.is_main:
         _atomic_write(tag_dir / "config.yaml", config_yaml)
     barrier()
@@ -90,10 +112,12 @@ def save_checkpoint(
 
 
 def find_resume(run_dir: Path, rank: int, world_size: int, step: int | None = None) -> dict | None:
-    """This rank's saved train state from `latest` (or the given step), or None for a fresh run.
+    """Where to resume from `latest` (or the given step), or None for a fresh run.
 
-    A checkpoint written by another world size is resumed through DeepSpeed's universal checkpoint (see
-    `_elastic_resume`); the returned `load_tag` is what `load_checkpoint` reads.
+    Returns:
+        "tag", "load_tag" (what `load_checkpoint` gives DeepSpeed), "universal", and "states": this rank's saved
+        states by name, for `load_states`. A checkpoint written by another world size is resumed through DeepSpeed's
+        universal checkpoint (see `_elastic_resume`) and also gives "from_world_size".
 
     Raises:
         ValueError: The checkpoint lacks this rank's state, or was written by another world size and cannot be
@@ -113,7 +137,26 @@ def find_resume(run_dir: Path, rank: int, world_size: int, step: int | None = No
     state_file = ckpt_dir / tag / f"rank_{rank:05d}.json"
     if not state_file.is_file():
         raise ValueError(f"checkpoint {ckpt_dir / tag} has no state for rank {rank} ({state_file} missing)")
-    return {"tag": tag, "load_tag": tag, "universal": False, **json.loads(state_file.read_text())}
+    return {"tag": tag, "load_tag": tag, "universal": False, "states": _read_states(state_file)}
+
+
+def _read_states(state_file: Path) -> dict[str, dict]:
+    """The states saved in one rank's JSON, by name (checkpoints from before named states held "rng" and the train
+    state's fields side by side)."""
+    saved = json.loads(state_file.read_text())
+    saved.pop("world_size", None)
+    if "train" not in saved:
+        rng = saved.pop("rng", None)
+        saved = {"train": saved, **({"rng": rng} if rng is not None else {})}
+    return saved
+
+
+def load_states(resume: dict | None, states: Mapping[str, Stateful]) -> None:
+    """Loads each of `states` from the resume point; one it does not carry (a fresh run, or "rng" after a world-size
+    change) keeps its current value."""
+    for name, stateful in states.items():
+        if resume is not None and name in resume["states"]:
+            stateful.load_state_dict(resume["states"][name])
 
 
 def _elastic_resume(ckpt_dir: Path, tag: str, saved_world: int, world_size: int, rank: int) -> dict:
@@ -121,13 +164,15 @@ def _elastic_resume(ckpt_dir: Path, tag: str, saved_world: int, world_size: int,
 
     Model and optimizer state come back exactly: the ZeRO partitions are converted once (by rank 0) into DeepSpeed's
     universal checkpoint, `tag/universal`, which any world size loads. The step and counters come from rank 0's state.
-    The data streams cannot continue where the old ranks left them (each rank's stream depends on the world size):
-    every rank starts its new stream after as many micro-batches as each old rank had drawn, and the RNGs are not
-    restored (each rank keeps its seed + rank). Refused where DeepSpeed's conversion fails, naming the checkpoint.
+    Every saved state but `PER_RANK_STATES` comes from rank 0's, whole: the step, counters and best evaluation of the
+    train state are the same on every rank. The data streams cannot continue where the old ranks left them (each
+    rank's stream depends on the world size): every rank starts its new stream after as many micro-batches as each
+    old rank had drawn (`batches_consumed`, the same on every rank), and the RNGs are not restored (each rank keeps its
+    seed + rank). Refused where DeepSpeed's conversion fails, naming the checkpoint.
     """
-    state = json.loads((ckpt_dir / tag / "rank_00000.json").read_text())
-    keep = {k: state[k] for k in ("step", "batches_consumed", "nonfinite_skipped", "corrupt_samples") if k in state}
-    keep.update(tag=tag, from_world_size=saved_world, rng=None)  # batches_consumed: steps x accumulation, any rank
+    states = _read_states(ckpt_dir / tag / "rank_00000.json")
+    carried = {name: state for name, state in states.items() if name not in PER_RANK_STATES}
+    keep = {"tag": tag, "from_world_size": saved_world, "states": carried}
     if not any((ckpt_dir / tag).glob("*zero_pp_rank_*")):  # ZeRO-0: nothing partitioned, any world size loads it
         return {**keep, "load_tag": tag, "universal": False}
     universal = ckpt_dir / tag / "universal"
@@ -148,13 +193,12 @@ def _elastic_resume(ckpt_dir: Path, tag: str, saved_world: int, world_size: int,
     return {**keep, "load_tag": f"{tag}/universal", "universal": True}
 
 
-def load_checkpoint(engine, *, run_dir: Path, resume: dict) -> None:
-    """Load DeepSpeed model/optimizer state of `resume["load_tag"]` and restore this rank's RNG."""
+def load_checkpoint(engine, *, run_dir: Path, resume: dict, states: Mapping[str, Stateful]) -> None:
+    """Load DeepSpeed model/optimizer state of `resume["load_tag"]`, then each of `states` the resume carries."""
     ckpt_dir = run_dir / "checkpoints"
     path, _ = engine.load_checkpoint(
         str(ckpt_dir), tag=resume["load_tag"], load_optimizer_states=True, load_lr_scheduler_states=False
     )
     if path is None:
         raise ValueError(f"could not load checkpoint {ckpt_dir / resume['load_tag']}")
-    if resume["rng"] is not None:  # None after a world-size change (see `_elastic_resume`)
-        set_rng_state(resume["rng"])
+    load_states(resume, states)

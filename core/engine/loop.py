@@ -12,14 +12,14 @@ import contextlib
 import resource
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
 from core.config import Config
 from core.engine import preempt
-from core.engine.checkpoint import save_checkpoint
+from core.engine.checkpoint import RNGState, save_checkpoint
 from core.engine.distributed import DistInfo, all_reduce
 from core.engine.fp16 import scales_loss_itself
 from core.engine.schedule import lr_at
@@ -49,10 +49,22 @@ class TrainState:
     across a resume so that a worse evaluation never overwrites the exported best."""
     best_step: int = 0
 
-    @classmethod
-    def from_resume(cls, resume: dict | None) -> TrainState:
-        fields = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in (resume or {}).items() if k in fields})
+    def state_dict(self) -> dict:
+        """Every field: a field added to the class is saved and resumed (elastic resume included) with no other
+        change."""
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Sets the fields `state` holds (a checkpoint from before a field existed keeps its default).
+
+        Raises:
+            ValueError: If `state` names a field this class does not have.
+        """
+        unknown = sorted(set(state) - {f.name for f in fields(self)})
+        if unknown:
+            raise ValueError(f"checkpoint train state has fields {unknown} that TrainState does not know")
+        for name, value in state.items():
+            setattr(self, name, value)
 
 
 def autocast_context(precision: str, device: torch.device):
@@ -173,7 +185,7 @@ def train(
                 run_dir=run_dir,
                 step=step,
                 dist=dist,
-                train_state=asdict(state),
+                states={"train": state, "rng": RNGState()},
                 config_yaml=config_yaml,
                 keep_last=cfg.checkpoint.keep_last,
             )
@@ -184,18 +196,18 @@ def train(
             )
         if step == first_step:
             logger.mark_start(step)  # keep the first step's one-off set-up cost out of the ETA
-    if evaluate is not None:
-        logger.scalars(total_steps, evaluate(total_steps))
     return state
 
 
 def _periodic_extras(cfg: Config, step: int, first_step: int, total_steps: int, logger, evaluate, log_images) -> None:
     """Pictures every `logging.image_every_steps` (and at the first and last step), evaluation every `eval.every_steps`
-    (the final one runs after the loop)."""
+    and at the last step. Both run before the step's checkpoint, so that it holds what the evaluation changed (the
+    best score of a fine-tuning run)."""
     image_every = cfg.logging.image_every_steps
     if log_images is not None and image_every and (step % image_every == 0 or step in (first_step, total_steps)):
         log_images(step)
-    if evaluate is not None and cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total_steps:
+    every = cfg.eval.every_steps
+    if evaluate is not None and (step == total_steps or (every and step % every == 0)):
         logger.scalars(step, evaluate(step))
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from core.config import Config, dump_config, load_config
 from core.engine import preempt
-from core.engine.checkpoint import find_resume, load_checkpoint
+from core.engine.checkpoint import RNGState, find_resume, load_checkpoint, load_states
 from core.engine.distributed import DistInfo, init_distributed, shutdown
 from core.engine.export import export_model
 from core.engine.fp16 import fp32_master_weights
@@ -67,6 +67,8 @@ def start_stage(prog: str, argv: list[str] | None) -> StageRun:
     total_steps, warmup_steps = cfg.steps(samples)
     resume = find_resume(run_dir, dist.rank, dist.world_size)
     logger = MetricsLogger(run_dir, enabled=dist.is_main, tensorboard=cfg.logging.tensorboard, total_steps=total_steps)
+    state = TrainState()
+    load_states(resume, {"train": state})  # the data position is needed before the engine; the RNGs come after it
     return StageRun(
         cfg,
         args.recipe,
@@ -77,7 +79,7 @@ def start_stage(prog: str, argv: list[str] | None) -> StageRun:
         total_steps,
         warmup_steps,
         resume,
-        TrainState.from_resume(resume),
+        state,
         logger,
     )
 
@@ -95,7 +97,7 @@ def start_engine(run: StageRun, objective: nn.Module | Callable[[], nn.Module]):
     if is_partitioned(engine.module):
         run.logger.console(f"[mimpipe] ZeRO-3 partitioned parameters: {partition_report(engine.module)}")
     if run.resume is not None:
-        load_checkpoint(engine, run_dir=run.run_dir, resume=run.resume)
+        load_checkpoint(engine, run_dir=run.run_dir, resume=run.resume, states={"rng": RNGState()})
         run.logger.console(
             f"[mimpipe] resumed from {run.run_dir / 'checkpoints' / run.resume['tag']} at step {run.state.step}"
         )

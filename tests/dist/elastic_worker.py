@@ -11,6 +11,7 @@ import torch
 
 from core.config import dump_config, load_config
 from core.engine.checkpoint import find_resume, load_checkpoint, save_checkpoint
+from core.engine.loop import TrainState
 from core.engine.distributed import init_distributed
 from core.engine.setup import parallelize
 from pretrain.objectives import objective_builder
@@ -49,12 +50,13 @@ def main(run_dir: Path, phase: str) -> None:
             engine.backward(engine({"image": images})["loss"])
             engine.step()
     else:
-        load_checkpoint(engine, run_dir=run_dir, resume=resume)
-        step = resume["step"] + 100
-    state = {"batches_consumed": step, "nonfinite_skipped": 0, "consecutive_nonfinite": 0, "corrupt_samples": 0}
+        load_checkpoint(engine, run_dir=run_dir, resume=resume, states={})
+        step = resume["states"]["train"]["step"] + 100
+    state = TrainState(step=step, batches_consumed=step)
     save_checkpoint(
-        engine, run_dir=run_dir, step=step, dist=dist, train_state=state, config_yaml=dump_config(cfg), keep_last=10
-    )
+        engine, run_dir=run_dir, step=step, dist=dist, states={"train": state}, config_yaml=dump_config(cfg),
+        keep_last=10,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -57,3 +57,28 @@ def test_handoff_resize_and_exactly_once_eval(zero2_run, shards, tmp_path, zero_
     assert manifest["method"] == "finetune" and manifest["metrics"]["val/samples"] == 203
     config = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
     assert config["num_classes"] == 4 and config["model_args"]["img_size"] in ([20, 20], 20)
+
+
+def test_best_export_survives_a_resume_on_another_world_size(zero2_run, shards, tmp_path):
+    """Fine-tune on 2 processes, resume on 1 with a learning rate that wrecks the weights: the worse evaluation after
+    the resume must not replace the exported best (elastic resume once dropped the best score)."""
+    pretrain_dir, _ = zero2_run
+    run_dir = tmp_path / "run"
+    recipe = finetune_recipe(shards, run_dir, pretrain_dir / "export")
+    recipe["checkpoint"] = {"every_steps": 2}
+    recipe_path = write_recipe(tmp_path / "tiny_finetune.yaml", recipe)
+    proc = launch(recipe_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    before = {m["step"]: m["val/top1"] for m in read_metrics(run_dir) if "val/top1" in m}
+    best_step = max(before, key=lambda step: (before[step], -step))
+    exported = (run_dir / "export" / "model.safetensors").read_bytes()
+
+    proc = launch(recipe_path, "schedule.steps=6", "optim.base_lr=100", "optim.min_lr=10", nproc=1)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "world size changed from 2 to 1" in proc.stdout
+    after = {m["step"]: m["val/top1"] for m in read_metrics(run_dir) if "val/top1" in m and m["step"] > 4}
+    assert list(after) == [6] and after[6] < before[best_step]
+    assert f"best val top1 {before[best_step]:.4f} at step {best_step}" in proc.stdout
+    manifest = json.loads((run_dir / "export" / "mimpipe.json").read_text())
+    assert manifest["step"] == best_step
+    assert (run_dir / "export" / "model.safetensors").read_bytes() == exported
