@@ -2,8 +2,8 @@
 read its label from `.cls` or from a field of its JSON.
 
 img2dataset, LAION, DataComp and CC12M shards hold `key.jpg` + `key.txt` + `key.json` and no `.cls`; ImageNet in
-webdataset form often uses `key.JPEG` + `key.cls`. webdataset lower-cases nothing, so fields are matched here
-case-insensitively.
+webdataset form often uses `key.JPEG` + `key.cls`. webdataset 1.0 lower-cases field names as it reads a tar, older
+releases and other readers do not, so fields are matched here case-insensitively.
 """
 
 import io
