@@ -79,7 +79,8 @@ if [[ -z "$master_port" ]]; then  # one node: any free port, so two runs can sha
 fi
 nproc_per_node="${NPROC_PER_NODE:-$default_nproc}"
 
-# Validate the recipe, the topology and the batch split before any process starts; print the plan.
+# Validate the recipe, the topology and the batch split, and pre-flight the recipe's files (data, model.init, run_dir)
+# before any process starts; print the plan. A problem is one line naming the key and the file, exit code 2.
 check_args=("$recipe" "${overrides[@]}")
 if [[ -n "${HOSTFILE:-}" ]]; then
     check_args+=(--hostfile "$HOSTFILE" --launcher "DeepSpeed launcher over ssh, master $master_addr:$master_port")
@@ -114,6 +115,7 @@ if [[ "${MIMPIPE_MALLOC:-tcmalloc}" == "tcmalloc" && "${LD_PRELOAD:-}" != *tcmal
     fi
 fi
 
+# core.torchrun is torchrun with its failure report cut to one line (the ranks print their own errors).
 if [[ -n "${HOSTFILE:-}" ]]; then
     # DeepSpeed's runner reaches the hosts over pdsh/ssh and starts them in this directory (same path everywhere);
     # it sets RANK/LOCAL_RANK/WORLD_SIZE in the environment, so no --local_rank argument is passed.
@@ -124,7 +126,7 @@ if [[ -n "${HOSTFILE:-}" ]]; then
     cmd+=(--no_local_rank --module "$module" "$recipe" "${overrides[@]}")
 elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
     # c10d rendezvous: node ranks are assigned as nodes join; after a failure every node restarts its workers.
-    cmd=("$python" -m torch.distributed.run
+    cmd=("$python" -m core.torchrun
          --nnodes "$nnodes" --nproc-per-node "$nproc_per_node"
          --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$rdzv_id" --max-restarts "$max_restarts"
          -m "$module" "$recipe" "${overrides[@]}")
@@ -134,7 +136,7 @@ elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
         cmd=(env "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}" "${cmd[@]}")
     fi
 else
-    cmd=("$python" -m torch.distributed.run
+    cmd=("$python" -m core.torchrun
          --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc_per_node"
          --master-addr "$master_addr" --master-port "$master_port"
          -m "$module" "$recipe" "${overrides[@]}")
