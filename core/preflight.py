@@ -149,9 +149,8 @@ def check_epochs(cfg: Config, findings: Findings) -> None:
         cfg.steps(dataset_size(cfg.data.train))
     except ConfigError as err:
         spec = cfg.data.train if isinstance(cfg.data.train, str) else "SPEC"
-        findings.fail(
-            key, f"{err}; `python -m data index {shlex.quote(spec)}` writes one", file=describe_spec(cfg.data.train)
-        )
+        hint = f"`python -m data index {shlex.quote(spec)}` writes one"
+        findings.fail(key, f"{describe_spec(cfg.data.train)}: {err}; {hint}")
 
 
 def check_run_dir(run_dir: str, findings: Findings) -> None:
