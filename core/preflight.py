@@ -164,7 +164,7 @@ def check_run_dir(run_dir: str, findings: Findings) -> None:
         with tempfile.TemporaryFile(dir=existing):  # a real write: catches read-only mounts, also as root
             pass
     except OSError as err:
-        findings.fail("run_dir", f"not writable ({err.strerror or err}: {err.filename or existing})", file=path)
+        findings.fail("run_dir", f"not writable: cannot write in {existing} ({err.strerror or err})", file=path)
         return
     findings.ok("run_dir writable")
 

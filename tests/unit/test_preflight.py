@@ -5,6 +5,7 @@ traceback; good input passes and the plan says what was checked."""
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,17 @@ def test_each_bad_input_is_one_line_naming_key_and_file(capsys, tmp_path, shards
     assert len(lines) == 1, printed
     assert lines[0].startswith(f"launch.sh: {key}: ") and file in lines[0] and words in lines[0], lines[0]
     assert "Traceback" not in printed and "[mimpipe] plan" not in printed
+
+
+def test_run_dir_where_nothing_can_be_written(capsys, tmp_path, shards):
+    try:  # sysfs refuses new files, also to root (for whom permission bits do not count)
+        tempfile.TemporaryFile(dir="/sys").close()
+        pytest.skip("/sys accepts files here")
+    except OSError:
+        pass
+    code, lines, printed = check(capsys, finetune_recipe(tmp_path, shards), "run_dir=/sys/mimpipe_run")
+    assert code == 2 and len(lines) == 1, printed
+    assert lines[0].startswith("launch.sh: run_dir: /sys/mimpipe_run: not writable: cannot write in /sys (")
 
 
 def test_every_problem_gets_its_line(capsys, tmp_path, shards):
