@@ -4,19 +4,21 @@ it is loaded in full, exactly as the ranks will."""
 
 from __future__ import annotations
 
-import safetensors
-
 from core.config import Config
 from core.preflight import Findings
 from core.sections import BEiTObjective
-from pretrain.targets import TokenizerCodes
-from pretrain.tokenizer import load_tokenizer
 
 
 def check(cfg: Config, findings: Findings) -> None:
     o = cfg.objective
     if not (isinstance(o, BEiTObjective) and o.target.kind == "tokenizer"):
         return
+    # Imported only for the recipes that need them: they pull in timm and torchvision, ~1.5 s before every launch.
+    import safetensors
+
+    from pretrain.targets import TokenizerCodes
+    from pretrain.tokenizer import load_tokenizer
+
     try:
         target = TokenizerCodes(load_tokenizer(o.target.path), cfg.model.grid)
     except (ValueError, OSError, KeyError, TypeError, RuntimeError, safetensors.SafetensorError) as err:
