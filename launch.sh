@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Launch a recipe:  ./launch.sh RECIPE [section.key=value ...] [--dry-run]
 #
-# Run one launch.sh per node: it checks the recipe and the batch split, prints the plan, then starts torchrun,
-# which spawns this node's processes. With HOSTFILE, one launch.sh starts every node (DeepSpeed's launcher, ssh).
+# Run one launch.sh per node: it checks the recipe, the batch split and the files the recipe names (a problem is one
+# line and exit code 2), prints the plan, then starts torchrun, which spawns this node's processes. With HOSTFILE, one
+# launch.sh starts every node (DeepSpeed's launcher, ssh).
 # --dry-run stops after printing the resolved config, the plan and the command.
 # Environment (all optional):
 #   NPROC_PER_NODE  processes per node (default: SLURM_GPUS_ON_NODE, else GPUs here, else 1; HOSTFILE: its slots)
@@ -14,6 +15,7 @@
 #   MAX_RESTARTS    with RDZV_ENDPOINT: restarts of every worker after a failure, resuming from `latest` (default 0)
 #   HOSTFILE        DeepSpeed hostfile (`host slots=N` lines); MASTER_ADDR defaults to its first host
 #   PYTHON          interpreter (default: .venv/bin/python beside this script, else python3)
+#   MIMPIPE_DEBUG   1: a failing rank prints its traceback on the console too (always in RUN_DIR/logs/rank{N}.log)
 # In a SLURM allocation (SLURM_JOB_ID set, NNODES and HOSTFILE not): `srun --ntasks-per-node=1 ./launch.sh RECIPE`.
 #   NNODES, NODE_RANK, MASTER_ADDR (first host of the job), MASTER_PORT (20000 + job id % 10000) and
 #   NPROC_PER_NODE (SLURM_GPUS_ON_NODE) come from SLURM unless set.
@@ -23,7 +25,7 @@ die() { echo "launch.sh: $*" >&2; exit 2; }
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 recipe="$1"; shift
