@@ -149,8 +149,8 @@ def check_epochs(cfg: Config, findings: Findings) -> None:
         cfg.steps(dataset_size(cfg.data.train))
     except ConfigError as err:
         spec = cfg.data.train if isinstance(cfg.data.train, str) else "SPEC"
-        hint = f"`python -m data index {shlex.quote(spec)}` writes one"
-        findings.fail(key, f"{describe_spec(cfg.data.train)}: {err}; {hint}")
+        hint = "" if "python -m data index" in str(err) else f"; `python -m data index {shlex.quote(spec)}` writes one"
+        findings.fail(key, f"{describe_spec(cfg.data.train)}: {err}{hint}")
 
 
 def check_run_dir(run_dir: str, findings: Findings) -> None:

@@ -35,7 +35,7 @@ _WORKER_TRACEBACK = "Original Traceback (most recent call last):"
 _log_dir: Path | None = None
 
 
-def log_to(run_dir: str | Path) -> None:
+def log_tracebacks_to(run_dir: str | Path) -> None:
     """Write tracebacks to `run_dir/logs/` from now on (called as soon as the run directory is known)."""
     global _log_dir
     _log_dir = Path(run_dir) / "logs"

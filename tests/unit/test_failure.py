@@ -34,7 +34,7 @@ def rank_1(monkeypatch):
 
 
 def test_error_is_one_line_and_the_traceback_goes_to_the_rank_log(tmp_path, capsys):
-    failure.log_to(tmp_path / "run")
+    failure.log_tracebacks_to(tmp_path / "run")
     assert _fail(LabelError(MESSAGE)) == failure.EXIT_ERROR
     log = tmp_path / "run" / "logs" / "rank1.log"
     assert capsys.readouterr().err == f"[mimpipe] error: {MESSAGE} (rank 1; traceback in {log})\n"
@@ -43,7 +43,7 @@ def test_error_is_one_line_and_the_traceback_goes_to_the_rank_log(tmp_path, caps
 
 
 def test_debug_prints_the_traceback_too(tmp_path, capsys, monkeypatch):
-    failure.log_to(tmp_path / "run")
+    failure.log_tracebacks_to(tmp_path / "run")
     monkeypatch.setenv("MIMPIPE_DEBUG", "1")
     _fail(ValueError("bad"))
     err = capsys.readouterr().err
@@ -67,7 +67,7 @@ def test_a_data_worker_error_is_unwrapped_to_its_own_message():
 
 
 def test_a_collective_broken_by_another_rank_is_a_quiet_line(tmp_path, capsys):
-    failure.log_to(tmp_path)
+    failure.log_tracebacks_to(tmp_path)
     gloo = "[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:3236. This is typically caused..."
     assert _fail(RuntimeError(gloo)) == failure.EXIT_ERROR
     assert capsys.readouterr().err == (
