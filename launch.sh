@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Launch a recipe:  ./launch.sh RECIPE [section.key=value ...] [--dry-run]
 #
-# Run one launch.sh per node: it checks the recipe and the batch split, prints the plan, then starts torchrun,
-# which spawns this node's processes. With HOSTFILE, one launch.sh starts every node (DeepSpeed's launcher, ssh).
+# Run one launch.sh per node: it checks the recipe, the batch split and the files the recipe names (a problem is one
+# line and exit code 2), prints the plan, then starts torchrun, which spawns this node's processes. With HOSTFILE, one
+# launch.sh starts every node (DeepSpeed's launcher, ssh).
 # --dry-run stops after printing the resolved config, the plan and the command.
 # Environment (all optional):
 #   NPROC_PER_NODE  processes per node (default: SLURM_GPUS_ON_NODE, else GPUs here, else 1; HOSTFILE: its slots)
@@ -14,6 +15,7 @@
 #   MAX_RESTARTS    with RDZV_ENDPOINT: restarts of every worker after a failure, resuming from `latest` (default 0)
 #   HOSTFILE        DeepSpeed hostfile (`host slots=N` lines); MASTER_ADDR defaults to its first host
 #   PYTHON          interpreter (default: .venv/bin/python beside this script, else python3)
+#   MIMPIPE_DEBUG   1: a failing rank prints its traceback on the console too (always in RUN_DIR/logs/rank{N}.log)
 # In a SLURM allocation (SLURM_JOB_ID set, NNODES and HOSTFILE not): `srun --ntasks-per-node=1 ./launch.sh RECIPE`.
 #   NNODES, NODE_RANK, MASTER_ADDR (first host of the job), MASTER_PORT (20000 + job id % 10000) and
 #   NPROC_PER_NODE (SLURM_GPUS_ON_NODE) come from SLURM unless set.
@@ -23,7 +25,7 @@ die() { echo "launch.sh: $*" >&2; exit 2; }
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 recipe="$1"; shift
@@ -79,7 +81,8 @@ if [[ -z "$master_port" ]]; then  # one node: any free port, so two runs can sha
 fi
 nproc_per_node="${NPROC_PER_NODE:-$default_nproc}"
 
-# Validate the recipe, the topology and the batch split before any process starts; print the plan.
+# Validate the recipe, the topology and the batch split, and pre-flight the recipe's files (data, model.init, run_dir)
+# before any process starts; print the plan. A problem is one line naming the key and the file, exit code 2.
 check_args=("$recipe" "${overrides[@]}")
 if [[ -n "${HOSTFILE:-}" ]]; then
     check_args+=(--hostfile "$HOSTFILE" --launcher "DeepSpeed launcher over ssh, master $master_addr:$master_port")
@@ -114,6 +117,7 @@ if [[ "${MIMPIPE_MALLOC:-tcmalloc}" == "tcmalloc" && "${LD_PRELOAD:-}" != *tcmal
     fi
 fi
 
+# core.torchrun is torchrun with its failure report cut to one line (the ranks print their own errors).
 if [[ -n "${HOSTFILE:-}" ]]; then
     # DeepSpeed's runner reaches the hosts over pdsh/ssh and starts them in this directory (same path everywhere);
     # it sets RANK/LOCAL_RANK/WORLD_SIZE in the environment, so no --local_rank argument is passed.
@@ -124,7 +128,7 @@ if [[ -n "${HOSTFILE:-}" ]]; then
     cmd+=(--no_local_rank --module "$module" "$recipe" "${overrides[@]}")
 elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
     # c10d rendezvous: node ranks are assigned as nodes join; after a failure every node restarts its workers.
-    cmd=("$python" -m torch.distributed.run
+    cmd=("$python" -m core.torchrun
          --nnodes "$nnodes" --nproc-per-node "$nproc_per_node"
          --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$rdzv_id" --max-restarts "$max_restarts"
          -m "$module" "$recipe" "${overrides[@]}")
@@ -134,7 +138,7 @@ elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
         cmd=(env "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}" "${cmd[@]}")
     fi
 else
-    cmd=("$python" -m torch.distributed.run
+    cmd=("$python" -m core.torchrun
          --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc_per_node"
          --master-addr "$master_addr" --master-port "$master_port"
          -m "$module" "$recipe" "${overrides[@]}")

@@ -1,6 +1,7 @@
 """Pre-launch check used by launch.sh: validate the recipe, the launch topology and the batch split for the world
-size the launch will have, before any process starts; print the plan (stderr; with --dry-run also the resolved
-config) and the module to run (stdout, the only thing launch.sh reads).
+size the launch will have, and pre-flight the recipe's files (core/preflight.py), before any process starts; print
+the plan (stderr; with --dry-run also the resolved config) and the module to run (stdout, the only thing launch.sh
+reads). Every problem is one line on stderr, `launch.sh: KEY: ...`, and exit code 2.
 
 The world size is nodes x processes per node, or, for a DeepSpeed hostfile, the sum of the processes on the hosts
 used. Errors name the environment variable launch.sh took the value from.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import ConfigError, dump_config, load_config
+from core.preflight import preflight
 
 # The module launch.sh runs for each `stage` (the tokenizer is trained by the pretraining entry point).
 STAGE_MODULES = {"pretrain": "pretrain", "tokenizer": "pretrain", "finetune": "finetune"}
@@ -135,16 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as err:
         print(f"launch.sh: {err}", file=sys.stderr)
         return 2
+    module = STAGE_MODULES[cfg.stage]
+    findings = preflight(cfg, module)
+    for problem in findings.problems:
+        print(f"launch.sh: {problem.line()}", file=sys.stderr)
+    if findings.problems:
+        return 2
     if args.dry_run:
         print(dump_config(cfg), file=sys.stderr)
     print(
         f"[mimpipe] plan: {topo.describe()}; {args.launcher}\n"
         f"[mimpipe] plan: global batch {cfg.data.global_batch_size} = {per_device} per device x "
         f"{cfg.engine.grad_accum_steps} accumulation x {topo.world_size} ranks, lr {cfg.peak_lr:.4g}, "
-        f"ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}",
+        f"ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}\n"
+        f"[mimpipe] pre-flight: {'; '.join(findings.passed)}",
         file=sys.stderr,
     )
-    print(STAGE_MODULES[cfg.stage])
+    print(module)
     return 0
 
 

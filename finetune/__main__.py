@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from core.engine.failure import run_guarded
 from core.engine.stage import (
     build_model,
     export_state_dict,
@@ -181,4 +182,4 @@ def _report(run, step: int, metrics: dict[str, float], confusion, class_names: l
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_guarded(main))

@@ -60,13 +60,15 @@ class Checkpoint:
     """How the file was unwrapped, e.g. "weights from the checkpoint's 'model' entry"."""
 
 
-def read_checkpoint(path: str | Path, *, trust: bool = False) -> Checkpoint:
+def read_checkpoint(path: str | Path, *, trust: bool = False, shapes_only: bool = False) -> Checkpoint:
     """Read any accepted checkpoint and detect its format.
 
     Args:
         path: Our export folder (or any folder with model.safetensors / pytorch_model.bin), a `.safetensors`
             file, or a torch pickle (`.pth`, `.bin`, `.pt`, ...).
         trust: Allow a full unpickle (arbitrary code) when the pickle holds objects other than tensors.
+        shapes_only: Read only the header of a safetensors file: its tensors come back on the meta device (shapes,
+            no values, float32 whatever was stored). A pickle is read as usual (memory-mapped when it is a zip).
 
     Returns:
         The checkpoint, keys stripped of wrapper prefixes.
@@ -76,7 +78,10 @@ def read_checkpoint(path: str | Path, *, trust: bool = False) -> Checkpoint:
             dict; the message names the file.
     """
     weights_file, config, manifest = _resolve(Path(path))
-    contents, notes = _load_file(weights_file, trust)
+    if shapes_only and weights_file.suffix == ".safetensors":
+        contents, notes = _safetensors_shapes(weights_file), []
+    else:
+        contents, notes = _load_file(weights_file, trust)
     state, unwrap_notes = _unwrap(contents, weights_file)
     notes += unwrap_notes
     if "patch_embed.proj.weight" not in state:
@@ -92,11 +97,7 @@ def checkpoint_keys(path: str | Path, *, trust: bool = False) -> list[str]:
     """The tensor names of a checkpoint (timm names), reading only the header of a safetensors file."""
     weights_file, _, _ = _resolve(Path(path))
     if weights_file.suffix == ".safetensors":
-        try:
-            with safetensors.safe_open(weights_file, framework="pt") as f:
-                return list(_strip_prefixes(dict.fromkeys(f.keys()))[0])
-        except (safetensors.SafetensorError, OSError) as e:
-            raise ValueError(f"{weights_file} is not a readable safetensors file: {e}") from None
+        return list(_strip_prefixes(_safetensors_shapes(weights_file))[0])
     return list(_unwrap(_load_file(weights_file, trust)[0], weights_file)[0])
 
 
@@ -185,6 +186,16 @@ def _resolve(path: Path) -> tuple[Path, dict, dict]:
     if path.is_file():
         return path, {}, {}
     raise ValueError(f"checkpoint path {path} does not exist")
+
+
+def _safetensors_shapes(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors as meta tensors of their shapes, from its header alone (no weights read)."""
+    try:
+        with safetensors.safe_open(path, framework="pt") as f:
+            names = f.keys()  # a safe_open handle is not iterable
+            return {key: torch.empty(f.get_slice(key).get_shape(), device="meta") for key in names}
+    except (safetensors.SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
 
 
 def _load_file(path: Path, trust: bool) -> tuple[object, list[str]]:

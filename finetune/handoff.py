@@ -146,12 +146,9 @@ def load_encoder(
         source=str(ckpt.source), checkpoint_format=ckpt.format, manifest=ckpt.manifest, notes=list(ckpt.notes)
     )
     model_state = model.state_dict()
-    state, may_init, notes = match_prefix_tokens(ckpt.state, model)
-    report.notes += notes
-    renames = norm_renames(model_state, state)
-    report.mapped = sorted(renames.items())
-    encoder_state = _split(model, model_state, state, renames, keep_head, report)
-    source_grid = _check_fits(model, model_state, encoder_state, ckpt, may_init | _optional_heads(keep_head))
+    encoder_state, source_grid, problems = _match(model, model_state, ckpt, keep_head, report)
+    if problems:
+        raise ValueError(f"{ckpt.source} does not fit the model ({len(problems)} keys):\n  " + "\n  ".join(problems))
     _resize(model, encoder_state, source_grid, pos_embed_resize, report)
 
     result = model.load_state_dict(encoder_state, strict=False)
@@ -162,6 +159,14 @@ def load_encoder(
     assert set(result.missing_keys) == set(report.initialised), (result.missing_keys, report.initialised)
     report.head_init = _init_heads(model, encoder_state, head_init, head_init_std)
     return report
+
+
+def fit_problems(model: VisionTransformer, ckpt: Checkpoint, *, keep_head: bool = False) -> list[str]:
+    """Every encoder key of `ckpt` that would stop `load_encoder` (a shape that neither fits nor resizes, a key
+    missing on either side), one line each; [] when it loads. Reads shapes only: `model` may be built on the meta
+    device and `ckpt` read with `shapes_only` (launch-time checks, see finetune/preflight.py)."""
+    report = LoadReport(source=str(ckpt.source))
+    return _match(model, model.state_dict(), ckpt, keep_head, report)[2]
 
 
 def read_pooling_hint(path: str | Path, *, trust_checkpoint: bool = False) -> str | None:
@@ -215,14 +220,32 @@ def _split(
     return encoder_state
 
 
-def _check_fits(
+def _match(
+    model: VisionTransformer,
+    model_state: dict[str, torch.Tensor],
+    ckpt: Checkpoint,
+    keep_head: bool,
+    report: LoadReport,
+) -> tuple[dict[str, torch.Tensor], tuple[int, int], list[str]]:
+    """Checkpoint tensors under model names (prefix tokens matched, final norm mapped, the rest dropped into
+    `report`), the checkpoint's patch grid, and the keys that do not fit."""
+    state, may_init, notes = match_prefix_tokens(ckpt.state, model)
+    report.notes += notes
+    renames = norm_renames(model_state, state)
+    report.mapped = sorted(renames.items())
+    encoder_state = _split(model, model_state, state, renames, keep_head, report)
+    problems, source_grid = _fit(model, model_state, encoder_state, ckpt, may_init | _optional_heads(keep_head))
+    return encoder_state, source_grid, problems
+
+
+def _fit(
     model: VisionTransformer,
     model_state: dict[str, torch.Tensor],
     encoder_state: dict[str, torch.Tensor],
     ckpt: Checkpoint,
     optional: set[str],
-) -> tuple[int, int]:
-    """Raise a ValueError listing every encoder key that does not fit; return the checkpoint's patch grid."""
+) -> tuple[list[str], tuple[int, int]]:
+    """Every encoder key that does not fit (one line each), and the checkpoint's patch grid."""
     problems, source_grid = [], tuple(model.patch_embed.grid_size)
     for key, tensor in encoder_state.items():
         if key not in model_state:
@@ -241,9 +264,7 @@ def _check_fits(
     for key, tensor in model_state.items():
         if key not in encoder_state and key.split(".")[0] not in optional:
             problems.append(f"missing encoder key {key}: model {tuple(tensor.shape)}, not in the checkpoint")
-    if problems:
-        raise ValueError(f"{ckpt.source} does not fit the model ({len(problems)} keys):\n  " + "\n  ".join(problems))
-    return source_grid
+    return problems, source_grid
 
 
 def _source_grid(

@@ -10,6 +10,7 @@ from torch import nn
 
 from core.config import Config
 from core.engine.setup import set_attention
+from core.sections import DistillConfig
 from finetune.handoff import load_encoder
 
 
@@ -21,11 +22,9 @@ def load_teacher(cfg: Config, num_classes: int, logger, device: torch.device) ->
     """
     d = cfg.distill
     path = Path(d.teacher)
-    if path.is_dir() and (path / "config.json").is_file():  # our export, or any timm Hugging Face folder
+    if teacher_is_folder(d):
         teacher = timm.create_model(f"local-dir:{path}", pretrained=True)
     else:
-        if not d.teacher_arch:
-            raise ValueError(f"distill.teacher {path} is a bare checkpoint: set distill.teacher_arch (a timm name)")
         size = cfg.model.img_size
         teacher = timm.create_model(d.teacher_arch, pretrained=False, num_classes=num_classes, img_size=size)
         report = load_encoder(teacher, path, keep_head=True, trust_checkpoint=cfg.model.trust_checkpoint)
@@ -34,3 +33,18 @@ def load_teacher(cfg: Config, num_classes: int, logger, device: torch.device) ->
         raise ValueError(f"distill.teacher {path} predicts {teacher.num_classes} classes, the task has {num_classes}")
     set_attention(teacher, cfg.engine.attention, device)
     return teacher.to(device).eval().requires_grad_(False)
+
+
+def teacher_is_folder(d: DistillConfig) -> bool:
+    """Whether `distill.teacher` is a folder timm rebuilds by itself (our export, any timm Hugging Face folder: its
+    config.json names the architecture) rather than a bare checkpoint.
+
+    Raises:
+        ValueError: A bare checkpoint without `distill.teacher_arch`.
+    """
+    path = Path(d.teacher)
+    if path.is_dir() and (path / "config.json").is_file():
+        return True
+    if not d.teacher_arch:
+        raise ValueError(f"distill.teacher {path} is a bare checkpoint: set distill.teacher_arch (a timm name)")
+    return False

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from core.engine.failure import run_guarded
 from core.engine.loop import autocast_context, to_device
 from core.engine.stage import (
     export_state_dict,
@@ -81,4 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_guarded(main))

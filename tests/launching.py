@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import yaml
@@ -81,6 +83,23 @@ def write_synthetic(out: Path, split: str, num: int, shard_size: int, seed: int)
     ]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
     return out
+
+
+def copy_shards(src: Path, dst: Path, *, drop: str, in_shards: set[int] | None = None, index: bool = True) -> Path:
+    """Copy a shard directory, leaving out the `.{drop}` member of every sample in shard numbers `in_shards` (all
+    shards when None), and index.json unless `index` is False: shards as a foreign tool might have written them."""
+    dst.mkdir(parents=True)
+    for number, shard in enumerate(sorted(src.glob("*.tar"))):
+        if in_shards is not None and number not in in_shards:
+            shutil.copy(shard, dst / shard.name)
+            continue
+        with tarfile.open(shard) as tar_in, tarfile.open(dst / shard.name, "w") as tar_out:
+            for member in tar_in.getmembers():
+                if not member.name.endswith(f".{drop}"):
+                    tar_out.addfile(member, tar_in.extractfile(member))
+    if index:
+        shutil.copy(src / "index.json", dst / "index.json")
+    return dst
 
 
 def pretrain_recipe(shards: dict[str, Path], run_dir: Path, **sections) -> dict:

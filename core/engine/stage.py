@@ -19,6 +19,7 @@ from core.engine import preempt
 from core.engine.checkpoint import RNGState, find_resume, load_checkpoint, load_states
 from core.engine.distributed import DistInfo, init_distributed, shutdown
 from core.engine.export import export_model
+from core.engine.failure import log_tracebacks_to
 from core.engine.fp16 import fp32_master_weights
 from core.engine.loop import NonFiniteLossError, PreemptedError, TrainState, train
 from core.engine.preempt import EXIT_PREEMPTED
@@ -60,6 +61,7 @@ def start_stage(prog: str, argv: list[str] | None) -> StageRun:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.base_lr=1e-4")
     args = parser.parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
+    log_tracebacks_to(cfg.run_dir)  # an error from here on leaves its traceback in run_dir/logs (see run_guarded)
     preempt.install()  # before the data stream forks its workers, which must outlive a SIGTERM (see preempt.py)
     dist = init_distributed(cfg.engine.device)
     run_dir, config_yaml = prepare_run_dir(cfg, dist)

@@ -1,0 +1,100 @@
+"""How a rank ends on an error: one `[mimpipe] error: ...` line on the console, the traceback in a log file.
+
+`run_guarded(main)` wraps a stage entry point. On an exception the full traceback is appended to
+`RUN_DIR/logs/rank{RANK}.log` (`MIMPIPE_DEBUG=1` prints it on the console too; before the run directory is known
+it goes to the console), the console gets one line naming the error and the log file, and the process exits with
+`EXIT_ERROR`.
+
+Every rank that fails on its own says so in its own line (the rank that read a bad shard may not be rank 0). A rank
+whose collective failed because another rank died first (gloo: "Connection closed by peer") prints a quieter
+`[mimpipe] rank N stopped: ...` line instead, so that the one `[mimpipe] error:` line is the cause.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+EXIT_ERROR = 1
+"""Exit code of a rank that stopped on an exception (Python's own code for an uncaught one)."""
+
+# What a collective raises when a peer's connection drops (gloo, NCCL's TCP bootstrap); the peer's error is the cause.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crash")
+# torch's DataLoader re-raises a worker's exception as "Caught X in DataLoader worker process N.\nOriginal Traceback
+# (most recent call last): ..." with the original traceback text in the message; the original message ends it.
+_WORKER_TRACEBACK = "Original Traceback (most recent call last):"
+
+_log_dir: Path | None = None
+
+
+def log_tracebacks_to(run_dir: str | Path) -> None:
+    """Write tracebacks to `run_dir/logs/` from now on (called as soon as the run directory is known)."""
+    global _log_dir
+    _log_dir = Path(run_dir) / "logs"
+
+
+def run_guarded(main: Callable[[], int]) -> int:
+    """Run a stage entry point; an exception becomes one console line, a logged traceback and `EXIT_ERROR`."""
+    try:
+        return main()
+    except Exception as err:  # every error ends here, reported once
+        return report(err)
+
+
+def report(err: BaseException) -> int:
+    """Log `err`'s traceback, print its one line, and return `EXIT_ERROR`."""
+    rank = int(os.environ.get("RANK", "0"))
+    text = "".join(traceback.format_exception(err))
+    log_file = _write_log(rank, text)
+    if log_file is None or os.environ.get("MIMPIPE_DEBUG") == "1":
+        print(text, file=sys.stderr, end="", flush=True)
+    where = f"rank {rank}" + (f"; traceback in {log_file}" if log_file else "")
+    if peer_lost(err):
+        cause = f"{type(err).__name__}: " + next((s for s in _PEER_LOST if s in str(err)), "collective failed")
+        line = f"[mimpipe] rank {rank} stopped: another rank failed first ({cause}; {where})"
+    else:
+        line = f"[mimpipe] error: {first_line(err)} ({where})"
+    print(line, file=sys.stderr, flush=True)
+    return EXIT_ERROR
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether `err` is a collective failing because another rank went away (its own error is the cause)."""
+    broken = isinstance(err, dist.DistNetworkError | dist.DistBackendError)
+    return broken or (isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_LOST))
+
+
+def first_line(err: BaseException) -> str:
+    """The error's own message on one line: unwrapped from a DataLoader worker's re-raise, long messages cut to their
+    first line (the rest is in the log)."""
+    message = str(err)
+    if _WORKER_TRACEBACK in message:
+        # The original traceback's last line(s): "[module.]ErrorName: message".
+        found = list(re.finditer(rf"^(?:[\w.]+\.)?{re.escape(type(err).__name__)}: ", message, flags=re.MULTILINE))
+        message = message[found[-1].end() :] if found else message
+    lines = message.strip().splitlines() or [type(err).__name__]
+    more = f" (+{len(lines) - 1} lines)" if len(lines) > 1 else ""
+    return lines[0] + more
+
+
+def _write_log(rank: int, text: str) -> Path | None:
+    """Append the traceback to this rank's log file; None when there is no run directory (yet) or it is unwritable."""
+    if _log_dir is None:
+        return None
+    path = _log_dir / f"rank{rank}.log"
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(f"--- {stamp} rank {rank} on {socket.gethostname()} (pid {os.getpid()}) stopped:\n{text}\n")
+    except OSError:
+        return None
+    return path

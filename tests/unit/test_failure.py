@@ -1,0 +1,91 @@
+"""How a rank ends on an error (core/engine/failure.py): one console line, the traceback in run_dir/logs; and the
+one-line report of a failed torchrun run (core/torchrun.py)."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.utils.data import DataLoader, IterableDataset
+
+from core.engine import failure
+from core.torchrun import failure_line
+from data.decode import LabelError
+
+MESSAGE = "sample train_00000070 in shard /data/train-000002.tar has no .cls label (fields: json, png)"
+
+
+class _Raises(IterableDataset):
+    def __iter__(self):
+        raise LabelError(MESSAGE)
+
+
+def _fail(err: Exception) -> int:
+    def main() -> int:
+        raise err
+
+    return failure.run_guarded(main)
+
+
+@pytest.fixture(autouse=True)
+def rank_1(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("MIMPIPE_DEBUG", raising=False)
+    monkeypatch.setattr(failure, "_log_dir", None)
+
+
+def test_error_is_one_line_and_the_traceback_goes_to_the_rank_log(tmp_path, capsys):
+    failure.log_tracebacks_to(tmp_path / "run")
+    assert _fail(LabelError(MESSAGE)) == failure.EXIT_ERROR
+    log = tmp_path / "run" / "logs" / "rank1.log"
+    assert capsys.readouterr().err == f"[mimpipe] error: {MESSAGE} (rank 1; traceback in {log})\n"
+    text = log.read_text()
+    assert "rank 1 on" in text and "Traceback (most recent call last)" in text and f"LabelError: {MESSAGE}" in text
+
+
+def test_debug_prints_the_traceback_too(tmp_path, capsys, monkeypatch):
+    failure.log_tracebacks_to(tmp_path / "run")
+    monkeypatch.setenv("MIMPIPE_DEBUG", "1")
+    _fail(ValueError("bad"))
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last)") and "ValueError: bad" in err
+    assert (
+        err.splitlines()[-1] == f"[mimpipe] error: bad (rank 1; traceback in {tmp_path / 'run' / 'logs' / 'rank1.log'})"
+    )
+
+
+def test_without_a_run_dir_the_traceback_stays_on_the_console(capsys):
+    _fail(ValueError("bad recipe"))
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.splitlines()[-1] == "[mimpipe] error: bad recipe (rank 1)"
+
+
+def test_a_data_worker_error_is_unwrapped_to_its_own_message():
+    with pytest.raises(LabelError) as caught:
+        next(iter(DataLoader(_Raises(), batch_size=None, num_workers=1)))
+    assert "Original Traceback" in str(caught.value)  # torch's wrapping
+    assert failure.first_line(caught.value) == MESSAGE
+
+
+def test_a_collective_broken_by_another_rank_is_a_quiet_line(tmp_path, capsys):
+    failure.log_tracebacks_to(tmp_path)
+    gloo = "[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:3236. This is typically caused..."
+    assert _fail(RuntimeError(gloo)) == failure.EXIT_ERROR
+    assert capsys.readouterr().err == (
+        "[mimpipe] rank 1 stopped: another rank failed first (RuntimeError: Connection closed by peer; rank 1; "
+        f"traceback in {tmp_path / 'logs' / 'rank1.log'})\n"
+    )
+
+
+def test_a_long_message_keeps_its_first_line():
+    assert failure.first_line(ValueError("x does not fit (2 keys):\n  a\n  b")) == "x does not fit (2 keys): (+2 lines)"
+
+
+def test_torchrun_failure_is_one_line_with_each_rank_and_its_code():
+    first = ProcessFailure(local_rank=1, pid=11, exitcode=1, error_file="<N/A>")
+    killed = ProcessFailure(local_rank=0, pid=10, exitcode=-9, error_file="<N/A>")
+    first.timestamp, killed.timestamp = 100, 101
+    line = failure_line(ChildFailedError("finetune", {0: killed, 1: first}))
+    assert line.startswith(
+        "[mimpipe] torchrun: finetune failed: rank 1 (exit code 1) first, then rank 0 (killed by SIGKILL);"
+    )
+    assert "\n" not in line

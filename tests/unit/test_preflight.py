@@ -1,0 +1,199 @@
+"""Pre-flight (core/preflight.py and the stages' preflight.py) through `python -m core.launch`, the check launch.sh
+runs before any process starts: each bad input is one line `launch.sh: KEY: ...` naming the file, exit code 2, no
+traceback; good input passes and the plan says what was checked."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import yaml
+
+from core.launch import main as launch_check
+from core.models import build_vit
+from data.__main__ import main as data_main
+from tests.launching import TINY_MODEL, copy_shards
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """Synthetic 16 px, 4 classes, 64 samples in 4 shards of 16, with index.json."""
+    out = tmp_path_factory.mktemp("shards") / "train"
+    args = ["--num-samples", "64", "--image-size", "16", "--num-classes", "4", "--shard-size", "16"]
+    data_main(["write", "--source", "synthetic", "--out", str(out), *args])
+    return out
+
+
+def tiny_state(embed_dim: int = 32, patch_size: int = 4) -> dict[str, torch.Tensor]:
+    """A timm ViT's state dict: the recipe's tiny model, or one of another width or patch size."""
+    args = {k: v for k, v in TINY_MODEL.items() if k != "size"}
+    return build_vit("tiny", **{**args, "embed_dim": embed_dim, "patch_size": patch_size}).state_dict()
+
+
+def finetune_recipe(tmp_path: Path, shards: Path, **model) -> Path:
+    recipe = {
+        "stage": "finetune",
+        "run_dir": str(tmp_path / "run"),
+        "model": {**TINY_MODEL, **model},
+        "data": {"train": str(shards), "global_batch_size": 8},
+        "objective": {"kind": "classification"},
+        "schedule": {"steps": 4},
+    }
+    path = tmp_path / "finetune.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def check(capsys, recipe: Path, *overrides: str) -> tuple[int, list[str], str]:
+    """(exit code, the `launch.sh:` lines, everything printed) of the pre-launch check for one process."""
+    code = launch_check([str(recipe), *overrides, "--nproc-per-node", "1"])
+    out = capsys.readouterr()
+    printed = out.out + out.err
+    return code, [line for line in out.err.splitlines() if line.startswith("launch.sh:")], printed
+
+
+def test_good_recipe_passes_and_the_plan_says_what_was_checked(capsys, tmp_path, shards):
+    init = tmp_path / "encoder.safetensors"
+    safetensors.torch.save_file(tiny_state(patch_size=8), init)  # another patch size: the hand-off resamples it
+    code, lines, printed = check(capsys, finetune_recipe(tmp_path, shards, init=str(init)), f"data.val={shards}")
+    assert code == 0 and lines == [], printed
+    assert (
+        "[mimpipe] pre-flight: run_dir writable; data.train: first sample of train-000000.tar has .png and a label; "
+        "data.val: first sample of train-000000.tar has .png and a label; model.init: timm, ViT 32 wide, 2 blocks, "
+        "patch 8x8" in printed
+    )
+    assert not (tmp_path / "run").exists()  # nothing is created before the launch
+
+
+def _mae_pickle(tmp_path: Path) -> Path:
+    """An official-MAE-style checkpoint: the weights next to a pickled argparse.Namespace."""
+    path = tmp_path / "mae_pretrain.pth"
+    state = {**tiny_state(), "mask_token": torch.zeros(1, 1, 32), "decoder_embed.weight": torch.zeros(16, 32)}
+    torch.save({"model": state, "args": argparse.Namespace(model="mae_vit_tiny")}, path)
+    return path
+
+
+# Each bad input: (tmp_path, shards) -> (recipe overrides, the key and the file the line names, words it holds).
+
+
+def missing_shard_dir(t: Path, s: Path):
+    return [f"data.train={t}/nope"], "data.train", f"{t}/nope", "does not exist"
+
+
+def shard_without_image(t: Path, s: Path):
+    spec = copy_shards(s, t / "noimg", drop="png")
+    return [f"data.train={spec}"], "data.train", f"{spec}/train-000000.tar", "sample train_00000000 has no image field"
+
+
+def finetune_shard_without_label(t: Path, s: Path):
+    spec = copy_shards(s, t / "nocls", drop="cls")
+    return [f"data.val={spec}"], "data.val", f"{spec}/train-000000.tar", "has no .cls label"
+
+
+def init_missing(t: Path, s: Path):
+    return [f"model.init={t}/gone.pth"], "model.init", f"{t}/gone.pth", "does not exist"
+
+
+def init_of_another_width(t: Path, s: Path):
+    safetensors.torch.save_file(tiny_state(embed_dim=64), t / "wide.safetensors")
+    words = "ViT 64 wide, 2 blocks, patch 4x4 does not fit the recipe's model (ViT 32 wide, 2 blocks, patch 4x4)"
+    return [f"model.init={t}/wide.safetensors"], "model.init", f"{t}/wide.safetensors", words
+
+
+def pickle_without_trust(t: Path, s: Path):
+    path = _mae_pickle(t)
+    return [f"model.init={path}"], "model.init", str(path), "argparse.Namespace); refusing to unpickle it"
+
+
+def run_dir_under_a_file(t: Path, s: Path):
+    (t / "file").write_text("")
+    return [f"run_dir={t}/file/run"], "run_dir", f"{t}/file/run", f"cannot be created: {t}/file is a file"
+
+
+def epochs_without_index(t: Path, s: Path):
+    spec = f"{copy_shards(s, t / 'foreign', drop='none', index=False)}/*.tar"
+    overrides = [f"data.train={spec}", "schedule.steps=null", "schedule.epochs=2", "model.num_classes=4"]
+    sentence = "schedule in epochs needs data.samples_per_epoch or an index.json beside the shards"
+    words = (sentence, "python -m data index")
+    return overrides, "schedule.epochs", spec, words
+
+
+FAILURES = [
+    missing_shard_dir,
+    shard_without_image,
+    finetune_shard_without_label,
+    init_missing,
+    init_of_another_width,
+    pickle_without_trust,
+    run_dir_under_a_file,
+    epochs_without_index,
+]
+
+
+@pytest.mark.parametrize("case", FAILURES, ids=[f.__name__ for f in FAILURES])
+def test_each_bad_input_is_one_line_naming_key_and_file(capsys, tmp_path, shards, case):
+    overrides, key, file, words = case(tmp_path, shards)
+    code, lines, printed = check(capsys, finetune_recipe(tmp_path, shards), *overrides)
+    assert code == 2, printed
+    assert len(lines) == 1, printed
+    assert lines[0].startswith(f"launch.sh: {key}: ") and file in lines[0], lines[0]
+    assert all(w in lines[0] for w in ([words] if isinstance(words, str) else words)), lines[0]
+    assert "Traceback" not in printed and "[mimpipe] plan" not in printed
+
+
+def test_run_dir_where_nothing_can_be_written(capsys, tmp_path, shards):
+    try:  # sysfs refuses new files, also to root (for whom permission bits do not count)
+        tempfile.TemporaryFile(dir="/sys").close()
+        pytest.skip("/sys accepts files here")
+    except OSError:
+        pass
+    code, lines, printed = check(capsys, finetune_recipe(tmp_path, shards), "run_dir=/sys/mimpipe_run")
+    assert code == 2 and len(lines) == 1, printed
+    assert lines[0].startswith("launch.sh: run_dir: /sys/mimpipe_run: not writable: cannot write in /sys (")
+
+
+def test_every_problem_gets_its_line(capsys, tmp_path, shards):
+    (tmp_path / "file").write_text("")
+    overrides = [f"run_dir={tmp_path}/file/run", f"data.val={tmp_path}/nope", f"model.init={tmp_path}/gone.pth"]
+    code, lines, printed = check(capsys, finetune_recipe(tmp_path, shards), *overrides)
+    assert code == 2
+    assert [line.split(":")[1].strip() for line in lines] == ["run_dir", "data.val", "model.init"], printed
+
+
+def test_trusted_pickle_and_json_labels_pass(capsys, tmp_path, shards):
+    foreign = copy_shards(shards, tmp_path / "nocls", drop="cls")  # labels only in each sample's .json
+    recipe = finetune_recipe(tmp_path, shards, init=str(_mae_pickle(tmp_path)), trust_checkpoint=True)
+    code, lines, printed = check(capsys, recipe, f"data.train={foreign}", "data.label_field=label")
+    assert code == 0 and lines == [], printed
+    assert "model.init: mae-pretrain, ViT 32 wide, 2 blocks, patch 4x4" in printed
+
+
+def test_pretraining_needs_images_only_and_leaves_remote_shards_closed(capsys, tmp_path, shards):
+    recipe = finetune_recipe(tmp_path, shards)
+    foreign = copy_shards(shards, tmp_path / "nocls", drop="cls")
+    code, lines, printed = check(capsys, recipe, "stage=pretrain", "objective={kind: mae}", f"data.train={foreign}")
+    assert code == 0 and lines == [], printed
+    remote = "data.train=[http://127.0.0.1:9/a.tar, 'pipe:cat b.tar']"
+    code, lines, printed = check(capsys, recipe, "stage=pretrain", "objective={kind: mae}", remote)
+    assert code == 0 and "data.train: 2 remote shards, not opened" in printed, printed
+
+
+def test_tokenizer_target_and_bare_teacher(capsys, tmp_path, shards):
+    recipe = finetune_recipe(tmp_path, shards)
+    beit = f"objective={{kind: beit, target: {{kind: tokenizer, path: {tmp_path}/tok}}}}"
+    code, lines, printed = check(capsys, recipe, "stage=pretrain", beit)
+    assert code == 2 and len(lines) == 1, printed
+    assert lines[0].startswith("launch.sh: objective.target.path: cannot read tokenizer manifest ")
+    assert f"{tmp_path}/tok/mimpipe.json" in lines[0]
+
+    teacher = tmp_path / "teacher.safetensors"
+    safetensors.torch.save_file(tiny_state(), teacher)
+    code, lines, printed = check(capsys, recipe, "distill.kind=soft", f"distill.teacher={teacher}")
+    assert code == 2 and lines == [
+        f"launch.sh: distill.teacher: distill.teacher {teacher} is a bare checkpoint: set distill.teacher_arch "
+        "(a timm name)"
+    ], printed
