@@ -1,7 +1,7 @@
 """Worker for test_zero_init_dist.py (run under torchrun, 2 processes): builds the MAE and BEiT objectives under
-deepspeed.zero.Init as `parallelize` does, with their optimizer groups, then one through the engine; trains MAE at
-ZeRO-3 and at ZeRO-0 from the same weights on the same batches; writes from rank 0 what it saw to
-OUT/zero_init.json."""
+deepspeed.zero.Init as `parallelize` does, with their optimizer groups, and the ordinary way from the same seed, then
+one through the engine; trains MAE at ZeRO-3 and at ZeRO-0 from the same weights on the same batches; writes from
+rank 0 what it saw to OUT/zero_init.json."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from core.config import load_config
 from core.engine.distributed import init_distributed
+from core.engine.ds_compat import partition_sizes
 from core.engine.setup import build_optimizer, deepspeed_config, parallelize
 from core.engine.zero_init import build_partitioned, gathered
 from core.models import sincos_pos_embed_2d
@@ -26,14 +27,16 @@ KINDS = {
 }
 
 
-def summary(cfg, objective, optimizer) -> dict:
-    """Full-value statistics of the built objective and its optimizer's groups (by parameter name)."""
+def summary(cfg, objective, optimizer, plain) -> dict:
+    """Full-value statistics of the built objective and its optimizer's groups (by parameter name), and the names of
+    its tensors that differ from `plain`'s."""
     name_of = {id(p): n for n, p in objective.named_parameters()}
     groups = sorted((sorted(name_of[id(p)] for p in g["params"]), g["weight_decay"]) for g in optimizer.param_groups)
     params = list(objective.parameters())
     with deepspeed.zero.GatheredParameters(params):
         qkv = objective.encoder.blocks[0].attn.qkv.weight
         pos = objective.encoder.pos_embed
+        full = objective.state_dict()
         out = {
             "groups": groups,
             "qkv_std": qkv.std().item(),
@@ -41,6 +44,7 @@ def summary(cfg, objective, optimizer) -> dict:
             "norm_weights": objective.encoder.blocks[1].norm2.weight.unique().tolist(),
             "biases_zero": bool((objective.encoder.blocks[0].mlp.fc1.bias == 0).all()),
             "pos_is_sincos": bool(torch.allclose(pos, sincos_pos_embed_2d(pos.shape[-1], cfg.model.grid, 1))),
+            "differ_from_plain": sorted(k for k, v in plain.state_dict().items() if not torch.equal(full[k], v)),
         }
         if cfg.objective.kind == "beit":
             out["head_std"] = objective.head[0].weight.std().item()
@@ -80,11 +84,11 @@ def main(out: Path) -> None:
         torch.manual_seed(0)
         objective, layout = build_partitioned(objective_builder(cfg), deepspeed_config(cfg, dist.world_size))
         optimizer = build_optimizer(objective, cfg, layout)
-        held = sum(p.ds_tensor.numel() for p in objective.parameters())
-        total = sum(p.ds_numel for p in objective.parameters())
-        plain = objective_builder(cfg)()  # the same objective built the ordinary way, for its groups
+        held, total = partition_sizes(objective)
+        torch.manual_seed(0)
+        plain = objective_builder(cfg)()  # the same objective built the ordinary way, for its values and groups
         result[kind] = {
-            **summary(cfg, objective, optimizer),
+            **summary(cfg, objective, optimizer, plain),
             "held_share": held / total,
             "plain_groups": sorted(
                 (sorted(n for n, q in plain.named_parameters() if any(q is p for p in g["params"])), g["weight_decay"])
