@@ -101,8 +101,8 @@ def main(out: Path) -> None:
     zero = engine.optimizer
     pairs = list(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True))
     result["master_is_partition"] = [m.data_ptr() == p.data_ptr() and m.numel() == p.numel() for m, p in pairs]
-    # ZeRO-3's trimmed step (zero3_runtime.py: per-block gathering, Linear32, no norm / unscale without clipping)
-    # against ZeRO-0, without and with clipping (0.01 clips every step here).
+    # ZeRO-3's trimmed step (zero3_runtime.py: per-block gathering, Linear32; ds_compat.py: no norm / unscale without
+    # clipping) against ZeRO-0, without and with clipping (0.01 clips every step here).
     for clip in (0.0, 0.01):
         start, zero3 = trained(out, dist, 3, clip, None)
         _, zero0 = trained(out, dist, 0, clip, start)
