@@ -135,16 +135,18 @@ class MAE(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """MAE's initialisation: fixed (frozen) sin-cos encoder pos_embed, xavier Linear and patch embedding, unit
-        LayerNorms, N(0, 0.02) tokens.
+        """MAE's initialisation, in this order (it fixes which random numbers each tensor draws): xavier Linear and
+        unit LayerNorms, then the xavier patch embedding, the fixed (frozen) sin-cos encoder pos_embed and N(0, 0.02)
+        tokens.
 
         Module by module through `apply`, each call setting only that module's own parameters: the form in which a
         ZeRO-3 build (core/engine/zero_init.py) lends each module its full weights."""
-        self.apply(self._init_module)
+        self.apply(self._init_layer)
+        self.apply(self._init_embedding)
         self.encoder.pos_embed.requires_grad_(False)
 
-    def _init_module(self, module: nn.Module) -> None:
-        enc = self.encoder
+    @staticmethod
+    def _init_layer(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             nn.init.xavier_uniform_(module.weight)
             if module.bias is not None:
@@ -152,7 +154,10 @@ class MAE(nn.Module):
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
-        elif module is enc.patch_embed.proj:  # (D, C, ph, pw), initialised as a (D, C*ph*pw) Linear
+
+    def _init_embedding(self, module: nn.Module) -> None:
+        enc = self.encoder
+        if module is enc.patch_embed.proj:  # (D, C, ph, pw), initialised as a (D, C*ph*pw) Linear
             nn.init.xavier_uniform_(module.weight.view(module.weight.shape[0], -1))
         elif module is enc:
             enc.pos_embed.copy_(sincos_pos_embed_2d(enc.pos_embed.shape[-1], self.grid_size, enc.num_prefix_tokens))

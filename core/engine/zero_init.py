@@ -7,8 +7,8 @@ plain models that initialise their weights one module at a time through `Module.
 module's own parameters; inside zero.Init, DeepSpeed wraps `apply` to lend each call the full values of the module's
 parameters and to scatter rank 0's values back to every rank's partition (`ds_compat` patch `zero_init_apply`;
 `deepspeed_config` sets `override_module_apply`). timm's ViT initialises its sub-modules by its own traversal
-(`named_apply`), so `init_partitioned_vit` redoes that under `gathered`. Outside ZeRO-3 both do nothing special, so
-the same code builds the ordinary model, value for value.
+(`named_apply`), so `init_partitioned_vit` redoes that under `gathered`. Outside zero.Init, `apply` and `gathered`
+change nothing: the same code builds the ordinary model.
 """
 
 from __future__ import annotations

@@ -5,10 +5,13 @@ so each case is a DeepSpeed release that differs in exactly that internal."""
 
 from __future__ import annotations
 
+import ast
+import copy
 import importlib
 import re
 import sys
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import deepspeed
@@ -20,6 +23,10 @@ from core.engine import ds_compat
 from core.engine.distributed import DistInfo
 from core.engine.ds_compat import PATCHES, DeepSpeedCompatError
 from core.engine.setup import parallelize
+from core.models import build_vit
+from pretrain.mae import MAE
+
+REPO = Path(__file__).resolve().parents[2]
 
 STAGE3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
 INIT = "deepspeed.runtime.zero.partition_parameters.Init"
@@ -200,3 +207,49 @@ def test_zero3_parameter_attributes_on_plain_and_stand_in_parameters():
     module.weight = partitioned
     assert ds_compat.is_partitioned(module) and ds_compat.partition_sizes(module) == (6, 12)
     assert ds_compat.partition_report(module) == "this rank holds 6 of 12 parameters (50.0%)"
+
+
+@pytest.mark.parametrize("name", ["mae", "beit", "tokenizer", "targets"])
+def test_objectives_import_no_engine_deepspeed_or_process_group(name):
+    """The objectives are plain models: distribution is applied to them from core/engine."""
+    tree = ast.parse((REPO / "pretrain" / f"{name}.py").read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    forbidden = ("deepspeed", "core.engine", "torch.distributed")
+    assert [m for m in imported if m.startswith(forbidden)] == []
+
+
+def test_mae_init_touches_only_the_visited_modules_own_weights(monkeypatch):
+    """What ZeRO-3 construction relies on (patch `zero_init_apply`): inside deepspeed.zero.Init, `Module.apply` lends
+    each visited module the full values of its own parameters only, every other parameter being an empty partition.
+    A stand-in of that `apply` on one process gives MAE's init the same values as the ordinary call."""
+    torch.manual_seed(0)
+    encoder = build_vit("tiny", img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
+    reference = MAE(encoder, decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2)
+    partitioned = copy.deepcopy(reference)
+    torch.manual_seed(1)
+    reference.init_weights()
+
+    full = {p: p.data for p in partitioned.parameters()}
+    for p in full:
+        p.data = torch.empty(0)
+
+    def gathering_apply(module: torch.nn.Module, fn):
+        for child in module.children():
+            gathering_apply(child, fn)
+        own = list(module.parameters(recurse=False))
+        for p in own:
+            p.data = full[p]
+        fn(module)
+        for p in own:
+            full[p], p.data = p.data, torch.empty(0)
+        return module
+
+    monkeypatch.setattr(torch.nn.Module, "apply", gathering_apply)
+    torch.manual_seed(1)
+    partitioned.init_weights()
+    for p in full:
+        p.data = full[p]
+    expected = reference.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in partitioned.state_dict().items())
+    assert not partitioned.encoder.pos_embed.requires_grad
