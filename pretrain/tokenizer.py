@@ -86,8 +86,8 @@ class VectorQuantizerEMA(nn.Module):
         self.register_buffer("num_updates", torch.zeros((), dtype=torch.long))
 
     def _apply(self, fn, recurse=True):
-        # DeepSpeed's bf16/fp16 modes cast the whole module (`module.bfloat16()`). The EMA statistics must stay fp32
-        # (a 1% EMA step is below bf16 resolution), so floating buffers only follow device moves.
+        # A cast of the whole module (`module.bfloat16()`, `.half()`) must leave the EMA statistics fp32 (a 1% EMA
+        # step is below bf16 resolution), so floating buffers only follow device moves.
         kept = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
         super()._apply(fn, recurse)
         for name, old in kept.items():
