@@ -24,8 +24,6 @@ from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from core.engine.zero_init import gathered
-
 # The ViT paper's split of the selected patches: mask token, random other patch, unchanged.
 MIXED_SPLIT = (0.8, 0.1, 0.1)
 
@@ -40,6 +38,12 @@ def _check_encoder(encoder: VisionTransformer) -> None:
         problems.append("needs a fixed-size learnable pos_embed that covers the class token")
     if problems:
         raise ValueError("masked-patch encoder: " + "; ".join(problems))
+
+
+def _init_head(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=0.02)
+        nn.init.zeros_(module.bias)
 
 
 class MaskedPatchPrediction(nn.Module):
@@ -72,11 +76,7 @@ class MaskedPatchPrediction(nn.Module):
                 nn.Linear(dim, dim), nn.GELU(), nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, out_dim)
             )
         trunc_normal_(self.mask_token, std=0.02)
-        for module in self.head.modules():
-            if isinstance(module, nn.Linear):
-                with gathered(module.parameters()):  # already partitioned under deepspeed.zero.Init
-                    trunc_normal_(module.weight, std=0.02)
-                    nn.init.zeros_(module.bias)
+        self.head.apply(_init_head)  # module by module, as a ZeRO-3 build needs (see MAE.init_weights)
 
     def no_weight_decay(self) -> set[str]:
         """Full names kept out of weight decay: position embedding, cls token and mask token."""

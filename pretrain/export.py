@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from core.config import Config, load_config
+from core.engine import ds_compat
 from core.engine.checkpoint import LATEST
 from core.engine.fp16 import zero0_masters_from_checkpoint
 from core.engine.stage import export_state_dict
@@ -19,11 +20,12 @@ from core.engine.stage import export_state_dict
 def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
     """fp32 weights of the whole objective from a DeepSpeed checkpoint, without starting any process group."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    ds_compat.check("checkpoint_files", "zero0_fp16_masters")
     if zero_stage == 0:
-        path = ckpt_dir / tag / "mp_rank_00_model_states.pt"
+        path = ckpt_dir / tag / ds_compat.MODEL_STATES_FILE
         states = torch.load(path, map_location="cpu", weights_only=False)
         weights = {k: v.float() for k, v in states["module"].items()}
-        if "fp32_groups" in (states.get("optimizer") or {}):  # fp16: the module is the fp16 copy
+        if ds_compat.checkpoint_fp32_groups(states) is not None:  # fp16: the module is the fp16 copy
             weights.update(zero0_masters_from_checkpoint(states, path))
         return weights
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -19,7 +19,6 @@ from timm.models import checkpoint_seq
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-from core.engine.zero_init import gathered
 from core.models import sincos_pos_embed_2d
 
 # MAE's norm_pix_loss adds this to the per-patch variance before the square root.
@@ -132,32 +131,39 @@ class MAE(nn.Module):
         )
         self.decoder_norm = norm_layer(decoder_embed_dim)
         self.decoder_pred = nn.Linear(decoder_embed_dim, self.patch_size[0] * self.patch_size[1] * in_chans)
-        self._init_weights()
+        self.init_weights()
 
     @torch.no_grad()
-    def _init_weights(self) -> None:
-        """MAE's initialisation: fixed sin-cos encoder pos_embed, xavier Linear/patch-embed, N(0, 0.02) tokens.
-        Each step sees full weights under deepspeed.zero.Init too (`gathered`)."""
-        pos_embed = self.encoder.pos_embed
-        with gathered([pos_embed]):
-            pos_embed.copy_(sincos_pos_embed_2d(pos_embed.shape[-1], self.grid_size, self.encoder.num_prefix_tokens))
-        pos_embed.requires_grad_(False)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                with gathered(module.parameters()):
-                    nn.init.xavier_uniform_(module.weight)
-                    if module.bias is not None:
-                        nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                with gathered(module.parameters()):
-                    nn.init.ones_(module.weight)
-                    nn.init.zeros_(module.bias)
-        proj_weight = self.encoder.patch_embed.proj.weight  # (D, C, ph, pw), initialised as a (D, C*ph*pw) Linear
-        with gathered([proj_weight]):
-            nn.init.xavier_uniform_(proj_weight.view(proj_weight.shape[0], -1))
-        with gathered([self.encoder.cls_token]):
-            nn.init.normal_(self.encoder.cls_token, std=0.02)
-        nn.init.normal_(self.mask_token, std=0.02)  # this module's own: not partitioned before __init__ returns
+    def init_weights(self) -> None:
+        """MAE's initialisation, in this order (it fixes which random numbers each tensor draws): xavier Linear and
+        unit LayerNorms, then the xavier patch embedding, the fixed (frozen) sin-cos encoder pos_embed and N(0, 0.02)
+        tokens.
+
+        Module by module through `apply`, each call setting only that module's own parameters: the form in which a
+        ZeRO-3 build (core/engine/zero_init.py) lends each module its full weights."""
+        self.apply(self._init_layer)
+        self.apply(self._init_embedding)
+        self.encoder.pos_embed.requires_grad_(False)
+
+    @staticmethod
+    def _init_layer(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def _init_embedding(self, module: nn.Module) -> None:
+        enc = self.encoder
+        if module is enc.patch_embed.proj:  # (D, C, ph, pw), initialised as a (D, C*ph*pw) Linear
+            nn.init.xavier_uniform_(module.weight.view(module.weight.shape[0], -1))
+        elif module is enc:
+            enc.pos_embed.copy_(sincos_pos_embed_2d(enc.pos_embed.shape[-1], self.grid_size, enc.num_prefix_tokens))
+            nn.init.normal_(enc.cls_token, std=0.02)
+        elif module is self:
+            nn.init.normal_(self.mask_token, std=0.02)
 
     def no_weight_decay(self) -> set[str]:
         """Full names of the parameters excluded from weight decay: position embeddings and learned tokens."""
@@ -231,7 +237,7 @@ class MAE(nn.Module):
         mask_tokens = self.mask_token.expand(b, num_patches + 1 - x.shape[1], -1)  # (B, L - L_vis, Dd)
         patches = torch.cat([x[:, 1:], mask_tokens], dim=1)  # (B, L, Dd) kept-first order
         patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # image order
-        # DeepSpeed's fp16 mode casts parameters but keeps buffers in fp32: add the fixed embedding in x's dtype
+        # Casting the parameters to fp16 leaves this fixed buffer fp32: add it in x's dtype
         x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed.to(x.dtype)  # (B, 1 + L, Dd)
         x = self.decoder_norm(self.decoder_blocks(x))  # (B, 1 + L, Dd)
         return self.decoder_pred(x)[:, 1:]  # (B, L, P)

@@ -30,8 +30,6 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from core.engine.export import atomic_folder, check_replaceable
-
 MANIFEST_NAME = "mimpipe.json"
 WEIGHTS_NAME = "tokenizer.safetensors"
 KIND = "vqvae"
@@ -88,8 +86,8 @@ class VectorQuantizerEMA(nn.Module):
         self.register_buffer("num_updates", torch.zeros((), dtype=torch.long))
 
     def _apply(self, fn, recurse=True):
-        # DeepSpeed's bf16/fp16 modes cast the whole module (`module.bfloat16()`). The EMA statistics must stay fp32
-        # (a 1% EMA step is below bf16 resolution), so floating buffers only follow device moves.
+        # A cast of the whole module (`module.bfloat16()`, `.half()`) must leave the EMA statistics fp32 (a 1% EMA
+        # step is below bf16 resolution), so floating buffers only follow device moves.
         kept = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
         super()._apply(fn, recurse)
         for name, old in kept.items():
@@ -316,39 +314,11 @@ class VQVAE(nn.Module):
         return {"loss": loss, "recon_loss": recon_loss, **stats, "recon": recon.detach()}
 
 
-def export_tokenizer(model: VQVAE, out_dir: str | Path, *, manifest: dict) -> Path:
-    """Write `model` as a tokenizer folder `out_dir` (returned), atomically replacing an earlier export.
-
-    The folder holds `tokenizer.safetensors` (the state dict; floating tensors as fp32, the update counter as int64)
-    and `mimpipe.json` = {**manifest, "kind": "vqvae", "tokenizer": model.config, "vocab_size", "grid"}.
-
-    Args:
-        model: The trained tokenizer (any device).
-        out_dir: Export folder; created, or replaced if it already holds a mimpipe export.
-        manifest: JSON-serialisable facts about the run (step, recipe, data, mean/std, ...).
-
-    Raises:
-        ValueError: `out_dir` is a non-empty folder that is not a mimpipe export.
-        TypeError: `manifest` is not JSON-serialisable.
-    """
-    out_dir = Path(out_dir)
-    check_replaceable(out_dir)
-    config, grid = model.config, list(model.grid)
-    full_manifest = {**manifest, "kind": KIND, "tokenizer": config, "vocab_size": config["codebook_size"], "grid": grid}
-    manifest_text = json.dumps(full_manifest, indent=2) + "\n"  # fails before anything is written
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}  # the counter stays int64
-    with atomic_folder(out_dir) as tmp_dir:
-        safetensors.torch.save_file(tensors, tmp_dir / WEIGHTS_NAME, metadata={"format": "pt"})
-        (tmp_dir / MANIFEST_NAME).write_text(manifest_text)
-    return out_dir
-
-
 def load_tokenizer(path: str | Path) -> VQVAE:
     """Rebuild an exported tokenizer on CPU, frozen (requires_grad False) and in eval mode.
 
     Args:
-        path: Folder written by `export_tokenizer`.
+        path: Folder written by `export_tokenizer` (pretrain/train_tokenizer.py).
 
     Raises:
         ValueError: The folder has no readable mimpipe.json, or it is not a "vqvae" export.

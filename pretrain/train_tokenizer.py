@@ -6,10 +6,15 @@ the same shards with the same engine, log reconstructions and codebook usage, ex
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import safetensors.torch
 import torch
 
 from core.config import Config
 from core.engine.distributed import all_reduce
+from core.engine.export import atomic_folder, check_replaceable
 from core.engine.loop import autocast_context, to_device
 from core.engine.stage import (
     StageRun,
@@ -23,7 +28,7 @@ from core.engine.stage import (
 from core.sections import VQVAEObjective
 from data.pipeline import make_eval_loader, resolve_shards
 from data.transforms import eval_transform, pretrain_transform
-from pretrain.tokenizer import VQVAE, export_tokenizer, tokenizer_grid
+from pretrain.tokenizer import KIND, MANIFEST_NAME, VQVAE, WEIGHTS_NAME, tokenizer_grid
 
 
 def build_tokenizer(cfg: Config) -> VQVAE:
@@ -38,6 +43,34 @@ def build_tokenizer(cfg: Config) -> VQVAE:
         ema_decay=o.ema_decay,
         dead_code_threshold=o.dead_code_threshold,
     )
+
+
+def export_tokenizer(model: VQVAE, out_dir: str | Path, *, manifest: dict) -> Path:
+    """Write `model` as a tokenizer folder `out_dir` (returned), atomically replacing an earlier export.
+
+    The folder holds `tokenizer.safetensors` (the state dict; floating tensors as fp32, the update counter as int64)
+    and `mimpipe.json` = {**manifest, "kind": "vqvae", "tokenizer": model.config, "vocab_size", "grid"}.
+
+    Args:
+        model: The trained tokenizer (any device).
+        out_dir: Export folder; created, or replaced if it already holds a mimpipe export.
+        manifest: JSON-serialisable facts about the run (step, recipe, data, mean/std, ...).
+
+    Raises:
+        ValueError: `out_dir` is a non-empty folder that is not a mimpipe export.
+        TypeError: `manifest` is not JSON-serialisable.
+    """
+    out_dir = Path(out_dir)
+    check_replaceable(out_dir)
+    config, grid = model.config, list(model.grid)
+    full_manifest = {**manifest, "kind": KIND, "tokenizer": config, "vocab_size": config["codebook_size"], "grid": grid}
+    manifest_text = json.dumps(full_manifest, indent=2) + "\n"  # fails before anything is written
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}  # the counter stays int64
+    with atomic_folder(out_dir) as tmp_dir:
+        safetensors.torch.save_file(tensors, tmp_dir / WEIGHTS_NAME, metadata={"format": "pt"})
+        (tmp_dir / MANIFEST_NAME).write_text(manifest_text)
+    return out_dir
 
 
 def train_tokenizer(run: StageRun) -> int:

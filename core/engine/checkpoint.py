@@ -17,7 +17,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from core.engine import ds_compat
 from core.engine.distributed import DistInfo, barrier
 from core.engine.fp16 import MASTER_NAMES, zero0_master_names
 
@@ -173,16 +173,14 @@ def _elastic_resume(ckpt_dir: Path, tag: str, saved_world: int, world_size: int,
     states = _read_states(ckpt_dir / tag / "rank_00000.json")
     carried = {name: state for name, state in states.items() if name not in PER_RANK_STATES}
     keep = {"tag": tag, "from_world_size": saved_world, "states": carried}
-    if not any((ckpt_dir / tag).glob("*zero_pp_rank_*")):  # ZeRO-0: nothing partitioned, any world size loads it
+    ds_compat.check("checkpoint_files")  # before `parallelize` checks it with the others: the names matter here
+    if not ds_compat.has_zero_shards(ckpt_dir / tag):  # ZeRO-0: nothing partitioned, any world size loads it
         return {**keep, "load_tag": tag, "universal": False}
     universal = ckpt_dir / tag / "universal"
     if rank == 0 and not universal.is_dir():
         tmp = ckpt_dir / tag / f".universal.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt_dir / tag)]
-        command += ["--output_folder", str(tmp), "--num_extract_workers", "1", "--num_merge_workers", "1"]
-        command += ["--inject_missing_state"]
-        proc = subprocess.run(command, capture_output=True, text=True)
+        proc = subprocess.run(ds_compat.universal_command(ckpt_dir / tag, tmp), capture_output=True, text=True)
         if proc.returncode != 0:
             raise ValueError(
                 f"checkpoint {ckpt_dir / tag} was written by {saved_world} processes, this run has {world_size}, and "

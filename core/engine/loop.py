@@ -21,7 +21,7 @@ from core.config import Config
 from core.engine import preempt
 from core.engine.checkpoint import RNGState, save_checkpoint
 from core.engine.distributed import DistInfo, all_reduce
-from core.engine.fp16 import scales_loss_itself
+from core.engine.ds_compat import loss_scale, scales_loss_itself
 from core.engine.schedule import lr_at
 from core.logging import MetricsLogger
 
@@ -152,7 +152,7 @@ def train(
             window.corrupt += batch["num_corrupt"]
             with autocast_context(precision, device):
                 out = engine(to_device(batch, device, precision))
-            engine.backward(out["loss"] * engine.optimizer.loss_scale if scale_loss else out["loss"])
+            engine.backward(out["loss"] * loss_scale(engine) if scale_loss else out["loss"])
             step_loss += out["loss"].detach().float()
             window.add_scalars(out)
             if micro < accum - 1:
@@ -272,7 +272,7 @@ class _Window:
         if grad_norm is not None:
             values["train/grad_norm"] = grad_norm
         if precision == "fp16":
-            values["train/loss_scale"] = float(engine.optimizer.loss_scale)  # every DeepSpeed fp16 wrapper has it
+            values["train/loss_scale"] = float(loss_scale(engine))
             values["train/skipped_steps"] = float(engine.skipped_steps)
         else:
             values["train/skipped_steps"] = float(state.nonfinite_skipped)

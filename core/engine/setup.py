@@ -14,9 +14,10 @@ from timm.optim import Lars, param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
 
 from core.config import Config
+from core.engine import ds_compat
 from core.engine.distributed import DistInfo
-from core.engine.zero3_runtime import gather_per_block, skip_identity_grad_passes, use_linear32
-from core.engine.zero_init import build_partitioned, fp32_master_shared
+from core.engine.zero3_runtime import gather_per_block, use_linear32
+from core.engine.zero_init import build_partitioned
 
 
 class Guarded:
@@ -122,6 +123,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
             # DeepSpeed's replacement for F.linear, patched into torch for the whole process; at ZeRO-3 `parallelize`
             # installs Linear32 (zero3_runtime.py) on the objective's layers instead.
             "memory_efficient_linear": False,
+            # Inside zero.Init, `Module.apply` gathers each module's weights: the objectives initialise through it.
+            "override_module_apply": True,
             "stage3_gather_16bit_weights_on_model_save": False,
         },
         "activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False},
@@ -199,6 +202,7 @@ def parallelize(
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    ds_compat.check()  # a DeepSpeed release that changed an internal we patch stops here, naming it
     if cfg.engine.precision == "fp16" and not get_accelerator().is_fp16_supported():
         raise ValueError(
             f"engine.precision fp16: DeepSpeed's {get_accelerator().device_name()} accelerator has no fp16 on this "
@@ -224,8 +228,8 @@ def parallelize(
     # skip: DeepSpeed's ZeRO-0 fp16 optimizer steps once on zero gradients to create the optimizer state, which would
     # apply one weight decay to the fp32 weights (not to their fp16 copy) and count one Adam step; torch optimizers
     # create their state on their first real step anyway.
-    with fp32_master_shared(), optimizer.guard(skip=True, measure=False):
+    with ds_compat.fp32_master_shared(), optimizer.guard(skip=True, measure=False):
         engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
     if cfg.engine.zero_stage == 3:
-        skip_identity_grad_passes(engine.optimizer)
+        ds_compat.skip_identity_grad_passes(engine.optimizer)
     return engine, optimizer

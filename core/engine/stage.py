@@ -18,13 +18,14 @@ from core.config import Config, dump_config, load_config
 from core.engine import preempt
 from core.engine.checkpoint import RNGState, find_resume, load_checkpoint, load_states
 from core.engine.distributed import DistInfo, init_distributed, shutdown
+from core.engine.ds_compat import is_partitioned, partition_report
 from core.engine.export import export_model
 from core.engine.failure import log_tracebacks_to
 from core.engine.fp16 import fp32_master_weights
 from core.engine.loop import NonFiniteLossError, PreemptedError, TrainState, train
 from core.engine.preempt import EXIT_PREEMPTED
 from core.engine.setup import parallelize, resolve_attention
-from core.engine.zero_init import init_partitioned_vit, is_partitioned, partition_report
+from core.engine.zero_init import init_partitioned_vit
 from core.logging import MetricsLogger
 from core.models import build_vit, vit_model_args
 from data.pipeline import dataset_size, make_train_loader, resolve_shards

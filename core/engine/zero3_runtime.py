@@ -7,7 +7,8 @@
    bf16 copy, so that gathered weights can be freed between forward and backward, but adds each bias in a separate
    mixed-precision pass. `Linear32` keeps the memory saving and runs the forward as `F.linear` does (0.2 s).
 3. Two passes over the gradients in the optimizer step that are identities without clipping or loss scaling (the
-   global norm and the unscale); `skip_identity_grad_passes` drops them (0.07 s).
+   global norm and the unscale); `skip_identity_grad_passes` drops them (0.07 s). It patches the ZeRO-3 optimizer's
+   private methods, so it lives with the other DeepSpeed patches in `ds_compat.py`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import Block
 from torch import nn
+
+from core.engine.ds_compat import full_shape, is_released
 
 
 def gather_per_block(objective: nn.Module) -> int:
@@ -53,8 +56,8 @@ class Linear32(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        if getattr(getattr(weight, "ds_status", None), "name", None) == "NOT_AVAILABLE":
-            raise RuntimeError(f"ZeRO-3 released a Linear weight {tuple(weight.ds_shape)} before its backward")
+        if is_released(weight):
+            raise RuntimeError(f"ZeRO-3 released a Linear weight {tuple(full_shape(weight))} before its backward")
         grad_out = grad_out.to(x.dtype)
         rows = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_out @ weight.to(x.dtype) if ctx.needs_input_grad[0] else None
@@ -73,29 +76,3 @@ def use_linear32(objective: nn.Module) -> int:
     for m in linears:
         m.forward = types.MethodType(_linear32_forward, m)
     return len(linears)
-
-
-def skip_identity_grad_passes(zero3) -> bool:
-    """Drop the global gradient norm and the unscale from the steps of `zero3` (a DeepSpeed ZeRO-3 optimizer) when
-    gradients are neither clipped nor loss-scaled (bf16 and fp32 with `optim.grad_clip` 0).
-
-    DeepSpeed needs the norm only to clip and to catch fp16 overflow, and the unscale then multiplies every gradient
-    by 1. The loop measures the norm itself on logging steps (`Guarded.measure`), as at ZeRO-1/2, where DeepSpeed's
-    `compute_grad_norm: false` drops it (DeepSpeed refuses that key at ZeRO-3).
-
-    Returns:
-        Whether they were dropped: False with gradient clipping or a loss scale other than a fixed 1 (fp16).
-    """
-    if zero3.clip_grad > 0 or zero3.dynamic_loss_scale or zero3.loss_scale != 1.0:
-        return False
-    device = zero3.fp32_partitioned_groups_flat[0].device
-
-    def no_norm() -> list[torch.Tensor]:
-        return [torch.zeros((), device=device)]
-
-    def no_unscale(sub_group_id: int, total_norm: torch.Tensor) -> None:
-        return None
-
-    zero3._get_norm_groups = no_norm
-    zero3.unscale_and_clip_grads = no_unscale
-    return True

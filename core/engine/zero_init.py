@@ -1,11 +1,14 @@
 """ZeRO-3 construction: the objective is built inside `deepspeed.zero.Init`, so each rank allocates only its
 partition of every parameter and the full fp32 model never exists on any rank.
 
-zero.Init partitions a module's own parameters as soon as that module's `__init__` returns. Initialisation code that
-runs later, in a parent's `__init__` (timm's ViT init, MAE's xavier init, a head init), would see empty tensors;
-it runs inside `gathered(...)`, which lends it the full values of the parameters it touches, one module at a time,
-and scatters rank 0's values back to every rank's partition. Outside ZeRO-3, `gathered` does nothing, so the same
-code builds the ordinary model, value for value.
+zero.Init partitions a module's own parameters as soon as that module's `__init__` returns, so initialisation code
+that runs later, in a parent's `__init__`, would see empty tensors. The objectives (pretrain/mae.py, beit.py) are
+plain models that initialise their weights one module at a time through `Module.apply`, each call touching only that
+module's own parameters; inside zero.Init, DeepSpeed wraps `apply` to lend each call the full values of the module's
+parameters and to scatter rank 0's values back to every rank's partition (`ds_compat` patch `zero_init_apply`;
+`deepspeed_config` sets `override_module_apply`). timm's ViT initialises its sub-modules by its own traversal
+(`named_apply`), so `init_partitioned_vit` redoes that under `gathered`. Outside zero.Init, `apply` and `gathered`
+change nothing: the same code builds the ordinary model.
 """
 
 from __future__ import annotations
@@ -18,24 +21,14 @@ from timm.models import named_apply
 from timm.models.vision_transformer import init_weights_vit_timm
 from torch import nn
 
-
-def is_partitioned(module: nn.Module) -> bool:
-    """True when ZeRO-3 has converted `module`'s parameters (they carry a `ds_id`)."""
-    return any(hasattr(p, "ds_id") for p in module.parameters())
-
-
-def partition_report(module: nn.Module) -> str:
-    """How much of `module`'s parameters this rank holds, e.g. 'this rank holds 1,234 of 2,468 parameters (50.0%)'."""
-    held = sum(p.ds_tensor.numel() for p in module.parameters())
-    total = sum(p.ds_numel for p in module.parameters())
-    return f"this rank holds {held:,} of {total:,} parameters ({100 * held / total:.1f}%)"
+from core.engine.ds_compat import is_zero3_param
 
 
 @contextlib.contextmanager
 def gathered(params: Iterable[nn.Parameter]):
     """Full values of the ZeRO-3 partitioned `params` inside the block; rank 0's changes reach every rank on exit.
     Ordinary parameters are left alone."""
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    partitioned = [p for p in params if is_zero3_param(p)]
     if not partitioned:
         yield
         return
@@ -74,32 +67,3 @@ def build_partitioned(build: Callable[[], nn.Module], ds_config: dict) -> tuple[
     with torch.device("meta"):
         layout = build()
     return objective, layout
-
-
-@contextlib.contextmanager
-def fp32_master_shared():
-    """While DeepSpeed sets up its ZeRO-3 optimizer, let it use fp32 parameter partitions as their own master weights.
-
-    DeepSpeed 0.19 means to skip the master copy when the partitions are already fp32 on the optimizer's device (our
-    bf16 is autocast over fp32 weights), but it compares a `torch.device` with the device's *name*, a string, which is
-    never equal. So it keeps a second fp32 copy: 4 bytes per parameter per rank, 0.6 GiB for MAE ViT-L on 2 ranks
-    (`make bench-memory`). Inside this block the name is a `torch.device` while the master partitions are created.
-    Partitions offloaded to the CPU or kept in fp16 still get their own master copy, as DeepSpeed intends.
-    """
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
-
-    create = Stage3._create_fp32_partitions
-
-    def create_sharing(self) -> None:
-        name = self.device
-        self.device = torch.device(name)
-        try:
-            create(self)
-        finally:
-            self.device = name
-
-    Stage3._create_fp32_partitions = create_sharing
-    try:
-        yield
-    finally:
-        Stage3._create_fp32_partitions = create

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.engine.ds_compat import universal_command
 from tests.launching import REPO, free_port
 
 pytestmark = pytest.mark.dist
@@ -29,10 +30,8 @@ def _universal(tag_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     out of the ZeRO partitions of `tag_dir` (converted here unless the resume already did)."""
     out = tag_dir / "universal"
     if not out.is_dir():
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir)]
-        cmd += ["--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
-        cmd += ["--inject_missing_state"]
-        subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+        subprocess.run(universal_command(tag_dir, out), check=True, capture_output=True, env=env)
     states = {}
     for param_dir in sorted(p for p in (out / "zero").iterdir() if p.is_dir()):
         files = {f.stem: torch.load(f, weights_only=False) for f in param_dir.glob("*.pt")}

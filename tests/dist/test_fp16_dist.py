@@ -81,8 +81,8 @@ def test_fp16_trains_like_bf16_at_zero2_and_zero3_and_hands_off(zero2_run, shard
 
 def test_fp16_overflow_skips_steps_and_halves_the_scale_at_zero0(shards, tmp_path):
     """Starting at 2^20 the scaled gradients overflow fp16: DeepSpeed skips those steps and halves the scale each
-    time until the gradients fit, then trains. At ZeRO-0 only the loop scales the loss (see core/engine/fp16.py):
-    without it nothing would overflow here, and every update would be 2^20 times too small."""
+    time until the gradients fit, then trains. At ZeRO-0 only the loop scales the loss (core/engine/ds_compat.py,
+    `zero0_fp16_loss_scale`): without it nothing would overflow here, and every update would be 2^20 times too small."""
     run_dir = pretrain_fp16(shards, tmp_path, "zero0", zero_stage=0, fp16_initial_scale_power=20)
     metrics = [m for m in read_metrics(run_dir) if "train/loss" in m]
     skipped = int(metrics[-1]["train/skipped_steps"])

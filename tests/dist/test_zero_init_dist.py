@@ -52,7 +52,7 @@ def test_beit_initialisation_reaches_partitioned_weights(built):
 
 
 def test_fp32_master_weights_are_the_parameter_partitions(built):
-    """fp32 partitions need no master copy (core/engine/zero_init.py `fp32_master_shared`): 4 bytes per parameter."""
+    """fp32 partitions need no master copy (core/engine/ds_compat.py `fp32_master_shared`): 4 bytes per parameter."""
     assert built["master_is_partition"] and all(built["master_is_partition"])
 
 

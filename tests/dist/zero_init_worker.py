@@ -14,6 +14,7 @@ import torch
 
 from core.config import load_config
 from core.engine.distributed import init_distributed
+from core.engine.ds_compat import partition_sizes
 from core.engine.setup import build_optimizer, deepspeed_config, parallelize
 from core.engine.zero_init import build_partitioned, gathered
 from core.models import sincos_pos_embed_2d
@@ -80,8 +81,7 @@ def main(out: Path) -> None:
         torch.manual_seed(0)
         objective, layout = build_partitioned(objective_builder(cfg), deepspeed_config(cfg, dist.world_size))
         optimizer = build_optimizer(objective, cfg, layout)
-        held = sum(p.ds_tensor.numel() for p in objective.parameters())
-        total = sum(p.ds_numel for p in objective.parameters())
+        held, total = partition_sizes(objective)
         plain = objective_builder(cfg)()  # the same objective built the ordinary way, for its groups
         result[kind] = {
             **summary(cfg, objective, optimizer),
@@ -97,8 +97,8 @@ def main(out: Path) -> None:
     zero = engine.optimizer
     pairs = list(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True))
     result["master_is_partition"] = [m.data_ptr() == p.data_ptr() and m.numel() == p.numel() for m, p in pairs]
-    # ZeRO-3's trimmed step (zero3_runtime.py: per-block gathering, Linear32, no norm / unscale without clipping)
-    # against ZeRO-0, without and with clipping (0.01 clips every step here).
+    # ZeRO-3's trimmed step (zero3_runtime.py: per-block gathering, Linear32; ds_compat.py: no norm / unscale without
+    # clipping) against ZeRO-0, without and with clipping (0.01 clips every step here).
     for clip in (0.0, 0.01):
         start, zero3 = trained(out, dist, 3, clip, None)
         _, zero0 = trained(out, dist, 0, clip, start)

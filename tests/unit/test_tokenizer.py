@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from pretrain.tokenizer import VQVAE, VectorQuantizerEMA, export_tokenizer, load_tokenizer, tokenizer_grid
+from pretrain.tokenizer import VQVAE, VectorQuantizerEMA, load_tokenizer, tokenizer_grid
+from pretrain.train_tokenizer import export_tokenizer
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
 PALETTE = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1], [0, 0, 0]])

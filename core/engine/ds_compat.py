@@ -1,0 +1,392 @@
+"""Every place the engine relies on DeepSpeed internals, each a named `Patch` whose `check()` runs at launch.
+
+The engine patches or reads DeepSpeed (written against 0.19) where its public API does not reach: private methods of
+the ZeRO-3 optimizer, attributes ZeRO-3 adds to parameters, the fp16 optimizers' groups, checkpoint file names and
+the universal-checkpoint converter's command line. A release that renamed or reshaped one of them would make a patch
+silently do nothing (say, an assignment to a method that no longer exists) or fail deep inside a run. So
+`parallelize` calls `check()` first: it verifies that each internal below has the shape the code here expects (the
+attribute exists, is callable, takes the parameters it is called with, reads the names it is patched around) and
+otherwise stops the launch with a `DeepSpeedCompatError` naming the patch, what changed and `deepspeed.__version__`.
+
+Patches (`PATCHES`, by name):
+    zero3_param_attributes     ZeRO-3 parameters' ds_id / ds_tensor / ds_numel / ds_shape / ds_status
+    zero_init_apply            deepspeed.zero.Init gathers a module's own weights around `Module.apply`
+    fp32_master_shared         Stage3._create_fp32_partitions, patched while the optimizer is built
+    skip_identity_grad_passes  Stage3._get_norm_groups / unscale_and_clip_grads, replaced on one optimizer
+    zero0_fp16_loss_scale      engine.backward leaves the loss unscaled at ZeRO-0 fp16; the wrappers' loss_scale
+    zero0_fp16_masters         the ZeRO-0 fp16 optimizer's fp16_groups / fp32_groups, in memory and in checkpoints
+    checkpoint_files           mp_rank_00_model_states.pt, zero_pp_rank_* shards, ds_to_universal's flags
+
+DeepSpeed is imported inside the functions, as elsewhere in the engine: importing it takes seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import importlib
+import inspect
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import NoReturn
+
+import torch
+from torch import nn
+
+WRITTEN_FOR = "0.19"
+"""The DeepSpeed release the patches were written and measured against (pyproject pins deepspeed>=0.19,<0.20)."""
+
+
+class DeepSpeedCompatError(RuntimeError):
+    """The installed DeepSpeed no longer has an internal that a patch in this module relies on."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One reliance on DeepSpeed internals: `check()` raises DeepSpeedCompatError when the internal has changed."""
+
+    name: str
+    verify: Callable[[str], None]
+    """Checks the internals the patch relies on; called with the patch's name, for the error."""
+
+    def check(self) -> None:
+        self.verify(self.name)
+
+
+# Checking helpers. Each takes the patch's name, for the error.
+
+
+def _fail(patch: str, problem: str) -> NoReturn:
+    version = getattr(sys.modules.get("deepspeed"), "__version__", "(not imported)")
+    raise DeepSpeedCompatError(
+        f"DeepSpeed patch {patch!r} (core/engine/ds_compat.py): {problem}, in the installed deepspeed {version}. "
+        f"The patch was written for DeepSpeed {WRITTEN_FOR}: adapt it to this release, or install "
+        f"deepspeed>={WRITTEN_FOR},<0.20."
+    )
+
+
+def _module(patch: str, name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        _fail(patch, f"module {name} cannot be imported ({err})")
+
+
+def _attr(patch: str, owner, name: str):
+    if not hasattr(owner, name):
+        _fail(patch, f"{getattr(owner, '__name__', owner)}.{name} is missing")
+    return getattr(owner, name)
+
+
+def _unwrapped(fn: Callable) -> Callable:
+    """The function under its decorators, with or without functools.wraps: DeepSpeed's `instrument_w_nvtx` returns a
+    `(*args, **kwargs)` wrapper that holds the function only in its closure."""
+    fn = inspect.unwrap(fn)
+    while inspect.isfunction(fn) and fn.__closure__ and fn.__code__.co_flags & inspect.CO_VARARGS:
+        inner = [cell.cell_contents for cell in fn.__closure__ if inspect.isfunction(cell.cell_contents)]
+        if len(inner) != 1:
+            break
+        fn = inspect.unwrap(inner[0])
+    return fn
+
+
+def _code_words(fn: Callable) -> tuple[set[str], set[str]]:
+    """(names, strings) that `fn`'s code and the functions nested in it mention: attributes and globals it reads or
+    assigns, and its string constants (dictionary keys, command-line flags)."""
+    names, strings, codes = set(), set(), [fn.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        consts = list(code.co_consts)
+        consts += [c for const in code.co_consts if isinstance(const, tuple) for c in const]  # keyword names
+        strings.update(c for c in consts if isinstance(c, str))
+        codes.extend(c for c in consts if inspect.iscode(c))
+    return names, strings
+
+
+def _method(
+    patch: str,
+    owner,
+    name: str,
+    *,
+    params: tuple[str, ...] | None = None,
+    uses: Iterable[str] = (),
+    strings: Iterable[str] = (),
+) -> Callable:
+    """`owner.name`, unwrapped, after checking that it is a function with exactly `params` (when given) whose code
+    mentions every name in `uses` and every string constant in `strings`."""
+    fn = _attr(patch, owner, name)
+    where = f"{getattr(owner, '__name__', owner)}.{name}"
+    if not callable(fn) or not inspect.isfunction(inner := _unwrapped(fn)):
+        _fail(patch, f"{where} is no longer a Python function")
+    if params is not None and tuple(inspect.signature(inner).parameters) != params:
+        found = ", ".join(inspect.signature(inner).parameters)
+        _fail(patch, f"{where} now takes ({found}), where the patch expects ({', '.join(params)})")
+    names, consts = _code_words(inner)
+    for expected, seen, what in ((uses, names, "uses"), (strings, consts, "has the string")):
+        missing = sorted(set(expected) - seen)
+        if missing:
+            _fail(patch, f"{where} no longer {what} {', '.join(missing)}")
+    return inner
+
+
+def _stage3(patch: str) -> type:
+    return _attr(patch, _module(patch, "deepspeed.runtime.zero.stage3"), "DeepSpeedZeroOptimizer_Stage3")
+
+
+def _engine_class(patch: str) -> type:
+    return _attr(patch, _module(patch, "deepspeed.runtime.engine"), "DeepSpeedEngine")
+
+
+# zero3_param_attributes: what ZeRO-3 adds to each parameter it converts.
+
+
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """True when ZeRO-3 has converted `param` (partitioned it over the ranks)."""
+    return hasattr(param, "ds_id")
+
+
+def is_partitioned(module: nn.Module) -> bool:
+    """True when ZeRO-3 has converted `module`'s parameters."""
+    return any(is_zero3_param(p) for p in module.parameters())
+
+
+def partition_sizes(module: nn.Module) -> tuple[int, int]:
+    """(parameter elements this rank holds, elements of the full parameters) of a ZeRO-3 partitioned `module`."""
+    params = list(module.parameters())
+    return sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params)
+
+
+def partition_report(module: nn.Module) -> str:
+    """How much of `module`'s parameters this rank holds, e.g. 'this rank holds 1,234 of 2,468 parameters (50.0%)'."""
+    held, total = partition_sizes(module)
+    return f"this rank holds {held:,} of {total:,} parameters ({100 * held / total:.1f}%)"
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of the whole parameter, also when ZeRO-3 holds only this rank's partition in `param`."""
+    return param.ds_shape if is_zero3_param(param) else param.shape
+
+
+def is_released(param: torch.Tensor) -> bool:
+    """True when ZeRO-3 has released `param`'s gathered values (only the rank's partition is left)."""
+    return getattr(getattr(param, "ds_status", None), "name", None) == "NOT_AVAILABLE"
+
+
+def _check_zero3_param_attributes(patch: str) -> None:
+    partitioning = _module(patch, "deepspeed.runtime.zero.partition_parameters")
+    attributes = ("ds_id", "ds_tensor", "ds_numel", "ds_shape", "ds_status")
+    _method(patch, _attr(patch, partitioning, "Init"), "_convert_to_deepspeed_param", uses=attributes)
+    _attr(patch, _attr(patch, partitioning, "ZeroParamStatus"), "NOT_AVAILABLE")
+
+
+# zero_init_apply: objectives initialise their weights module by module through `Module.apply`; inside
+# deepspeed.zero.Init (config key `override_module_apply`, which `deepspeed_config` sets) each call gathers the
+# module's own partitioned parameters, runs the function and scatters rank 0's values back.
+
+
+def _check_zero_init_apply(patch: str) -> None:
+    partitioning = _module(patch, "deepspeed.runtime.zero.partition_parameters")
+    _attr(patch, _attr(patch, partitioning, "Init"), "override_module_apply")
+    zero_config = _attr(patch, _module(patch, "deepspeed.runtime.zero.config"), "DeepSpeedZeroConfig")
+    if "override_module_apply" not in zero_config.model_fields:
+        _fail(patch, "the ZeRO config has no override_module_apply key")
+    context = _attr(patch, partitioning, "InsertPostInitMethodToModuleSubClasses")
+    _method(patch, context, "patch_init_and_builtins", uses=("override_module_apply", "all_gather", "partition"))
+
+
+# fp32_master_shared
+
+
+@contextlib.contextmanager
+def fp32_master_shared():
+    """While DeepSpeed sets up its ZeRO-3 optimizer, let it use fp32 parameter partitions as their own master weights.
+
+    DeepSpeed 0.19 means to skip the master copy when the partitions are already fp32 on the optimizer's device (our
+    bf16 is autocast over fp32 weights), but it compares a `torch.device` with the device's *name*, a string, which is
+    never equal. So it keeps a second fp32 copy: 4 bytes per parameter per rank, 0.6 GiB for MAE ViT-L on 2 ranks
+    (`make bench-memory`). Inside this block the name is a `torch.device` while the master partitions are created.
+    Partitions offloaded to the CPU or kept in fp16 still get their own master copy, as DeepSpeed intends.
+    """
+    stage3 = _stage3("fp32_master_shared")
+    create = stage3._create_fp32_partitions
+
+    def create_sharing(self) -> None:
+        name = self.device
+        self.device = torch.device(name)
+        try:
+            create(self)
+        finally:
+            self.device = name
+
+    stage3._create_fp32_partitions = create_sharing
+    try:
+        yield
+    finally:
+        stage3._create_fp32_partitions = create
+
+
+def _check_fp32_master_shared(patch: str) -> None:
+    groups = ("device", "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat")
+    _method(patch, _stage3(patch), "_create_fp32_partitions", params=("self",), uses=groups)
+
+
+# skip_identity_grad_passes
+
+
+def skip_identity_grad_passes(zero3) -> bool:
+    """Drop the global gradient norm and the unscale from the steps of `zero3` (a DeepSpeed ZeRO-3 optimizer) when
+    gradients are neither clipped nor loss-scaled (bf16 and fp32 with `optim.grad_clip` 0).
+
+    DeepSpeed needs the norm only to clip and to catch fp16 overflow, and the unscale then multiplies every gradient
+    by 1. The loop measures the norm itself on logging steps (`Guarded.measure`), as at ZeRO-1/2, where DeepSpeed's
+    `compute_grad_norm: false` drops it (DeepSpeed refuses that key at ZeRO-3).
+
+    Returns:
+        Whether they were dropped: False with gradient clipping or a loss scale other than a fixed 1 (fp16).
+    """
+    if zero3.clip_grad > 0 or zero3.dynamic_loss_scale or zero3.loss_scale != 1.0:
+        return False
+    device = zero3.fp32_partitioned_groups_flat[0].device
+
+    def no_norm() -> list[torch.Tensor]:
+        return [torch.zeros((), device=device)]
+
+    def no_unscale(sub_group_id: int, total_norm: torch.Tensor) -> None:
+        return None
+
+    zero3._get_norm_groups = no_norm
+    zero3.unscale_and_clip_grads = no_unscale
+    return True
+
+
+def _check_skip_identity_grad_passes(patch: str) -> None:
+    stage3 = _stage3(patch)
+    # `step` must look both up on the instance, and combine the norm groups the replacement returns.
+    _method(patch, stage3, "step", uses=("_get_norm_groups", "combine_grad_norm_groups", "unscale_and_clip_grads"))
+    _method(patch, stage3, "_get_norm_groups", params=("self",))
+    _method(patch, stage3, "unscale_and_clip_grads", params=("self", "sub_group_id", "total_norm"))
+    _method(patch, stage3, "__init__", uses=("clip_grad", "dynamic_loss_scale", "fp32_partitioned_groups_flat"))
+    _attr(patch, stage3, "loss_scale")
+
+
+# zero0_fp16_loss_scale: at ZeRO-0, DeepSpeed 0.19's `engine.backward` does not multiply the loss by the loss scale
+# (only ZeRO optimizers get it; deepspeedai/DeepSpeed PR #8393), yet its fp16 optimizer divides the gradients by that
+# scale before the update. The loop scales the loss itself there; a release that fixes it would scale twice.
+
+_FP16_WRAPPERS = (  # (module, class) of each optimizer wrapper an fp16 engine may have
+    ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer"),
+    ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"),
+)
+
+
+def scales_loss_itself(engine) -> bool:
+    """Whether the loop must multiply the loss by the loss scale before `engine.backward` (fp16 at ZeRO-0)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    return engine.fp16_enabled() and not isinstance(engine.optimizer, ZeROOptimizer)
+
+
+def loss_scale(engine):
+    """The current loss scale of an fp16 engine's optimizer (every DeepSpeed fp16 wrapper has one), as it keeps it."""
+    return engine.optimizer.loss_scale
+
+
+def _check_zero0_fp16_loss_scale(patch: str) -> None:
+    # engine.backward and `scales_loss_itself` must tell the optimizers apart by the same test, and only by it.
+    _attr(patch, _module(patch, "deepspeed.runtime.base_optimizer"), "ZeROOptimizer")
+    backward = _method(patch, _engine_class(patch), "backward", uses=("ZeROOptimizer", "scale_if_loss"))
+    if "fp16_enabled" in _code_words(backward)[0]:
+        _fail(patch, "DeepSpeedEngine.backward now scales fp16 losses itself (PR #8393?): the loop would scale twice")
+    for module, name in _FP16_WRAPPERS:
+        _attr(patch, _attr(patch, _module(patch, module), name), "loss_scale")
+
+
+# zero0_fp16_masters: at ZeRO-0 the fp16 optimizer (the unfused one, which wraps any torch optimizer) keeps the fp32
+# master weights as lists of tensors, group by group beside the fp16 parameters, and saves them in its state dict.
+
+_MASTERS_KEY = "fp32_groups"
+
+
+def zero0_groups(engine) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """(fp16 groups, fp32 groups) of a ZeRO-0 fp16 engine's optimizer: the parameters it computes with and their fp32
+    master weights, tensor for tensor."""
+    return engine.optimizer.fp16_groups, engine.optimizer.fp32_groups
+
+
+def checkpoint_fp32_groups(states: dict) -> list[list[torch.Tensor]] | None:
+    """The fp32 master weights, group by group, in the model states of a ZeRO-0 checkpoint; None unless fp16 saved
+    them."""
+    return (states.get("optimizer") or {}).get(_MASTERS_KEY)
+
+
+def _check_zero0_fp16_masters(patch: str) -> None:
+    unfused = _attr(patch, _module(patch, "deepspeed.runtime.fp16.unfused_optimizer"), "FP16_UnfusedOptimizer")
+    _method(patch, unfused, "__init__", uses=("fp16_groups", _MASTERS_KEY))
+    _method(patch, unfused, "state_dict", strings=(_MASTERS_KEY,))
+    _method(patch, _engine_class(patch), "_configure_fp16_optimizer", uses=("FP16_UnfusedOptimizer",))
+    _method(patch, _engine_class(patch), "_common_checkpoint_state", strings=("module", "optimizer"))
+
+
+# checkpoint_files: what DeepSpeed names the files of a checkpoint tag, and the converter to a universal checkpoint.
+
+MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
+"""The model states of a ZeRO-0/1/2 checkpoint tag: the whole module ("module") and, at ZeRO-0, the optimizer."""
+ZERO_SHARD_PATTERN = "*zero_pp_rank_*"
+"""The files of a tag that hold ZeRO partitions (optimizer shards; at ZeRO-3 the model's as well)."""
+_UNIVERSAL_FLAGS = ("--input_folder", "--output_folder", "--num_extract_workers", "--num_merge_workers")
+_UNIVERSAL_MODULE = "deepspeed.checkpoint.ds_to_universal"
+
+
+def has_zero_shards(tag_dir: Path) -> bool:
+    """Whether the checkpoint tag holds ZeRO partitions, which only the world size that wrote them loads directly."""
+    return any(tag_dir.glob(ZERO_SHARD_PATTERN))
+
+
+def universal_command(tag_dir: Path, out_dir: Path) -> list[str]:
+    """The command that converts the ZeRO checkpoint `tag_dir` into a universal checkpoint in `out_dir` (one worker
+    each, with optimizer state DeepSpeed leaves out filled in)."""
+    command = [sys.executable, "-m", _UNIVERSAL_MODULE, "--input_folder", str(tag_dir), "--output_folder", str(out_dir)]
+    return [*command, "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+
+
+def _check_checkpoint_files(patch: str) -> None:
+    engine = _engine_class(patch)
+    stand_in = SimpleNamespace(checkpoint_mp_rank=0, zero_optimization_partition_weights=lambda: False)
+    try:  # DeepSpeed's own naming, run on a stand-in engine of one ZeRO-0/1/2 rank
+        model_states = Path(_method(patch, engine, "_get_ckpt_name")(stand_in, "ckpt", "tag")).name
+        shard = _method(patch, engine, "_get_zero_ckpt_prefix")(stand_in, 0, bf16_mode=False) + "_optim_states.pt"
+    except Exception as err:  # noqa: BLE001 - any failure means the naming code changed
+        _fail(patch, f"DeepSpeedEngine's checkpoint file naming failed on a stand-in engine ({err!r})")
+    if model_states != MODEL_STATES_FILE:
+        _fail(patch, f"model states are saved as {model_states}, not {MODEL_STATES_FILE}")
+    if not fnmatch.fnmatch(shard, ZERO_SHARD_PATTERN):
+        _fail(patch, f"ZeRO shards are saved as {shard}, which {ZERO_SHARD_PATTERN} does not match")
+    converter = _module(patch, _UNIVERSAL_MODULE)
+    _method(patch, converter, "main")
+    _method(patch, converter, "parse_arguments", strings=(*_UNIVERSAL_FLAGS, "--inject_missing_state"))
+
+
+PATCHES: dict[str, Patch] = {
+    patch.name: patch
+    for patch in (
+        Patch("zero3_param_attributes", _check_zero3_param_attributes),
+        Patch("zero_init_apply", _check_zero_init_apply),
+        Patch("fp32_master_shared", _check_fp32_master_shared),
+        Patch("skip_identity_grad_passes", _check_skip_identity_grad_passes),
+        Patch("zero0_fp16_loss_scale", _check_zero0_fp16_loss_scale),
+        Patch("zero0_fp16_masters", _check_zero0_fp16_masters),
+        Patch("checkpoint_files", _check_checkpoint_files),
+    )
+}
+
+
+def check(*names: str) -> None:
+    """Run the checks of the named patches (default: all); raises DeepSpeedCompatError at the first that fails."""
+    for name in names or PATCHES:
+        PATCHES[name].check()

@@ -1,0 +1,255 @@
+"""core/engine/ds_compat.py: every patch's check passes on the installed DeepSpeed, and fails loudly, naming the patch,
+what changed and the installed version, when the internal it relies on is missing or changed shape. The changes are
+made with monkeypatch on the installed classes and modules (an attribute removed, a method swapped for a stand-in),
+so each case is a DeepSpeed release that differs in exactly that internal."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib
+import re
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import deepspeed
+import pytest
+import torch
+
+from core.config import load_config
+from core.engine import ds_compat
+from core.engine.distributed import DistInfo
+from core.engine.ds_compat import PATCHES, DeepSpeedCompatError
+from core.engine.setup import parallelize
+from core.models import build_vit
+from pretrain.mae import MAE
+
+REPO = Path(__file__).resolve().parents[2]
+
+STAGE3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+INIT = "deepspeed.runtime.zero.partition_parameters.Init"
+ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
+UNFUSED = "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer"
+
+
+def _owner(path: str):
+    """The installed class or module that `path` ('package.module.Class' or 'package.module') names."""
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        module, name = path.rsplit(".", 1)
+        return getattr(importlib.import_module(module), name)
+
+
+def _fails(patch: str, *phrases: str) -> None:
+    """Asserts the patch's check raises an error naming the patch, the installed version and each phrase."""
+    with pytest.raises(DeepSpeedCompatError) as caught:
+        PATCHES[patch].check()
+    message = str(caught.value)
+    assert f"DeepSpeed patch '{patch}'" in message
+    assert f"installed deepspeed {deepspeed.__version__}" in message
+    for phrase in phrases:
+        assert phrase in message, message
+
+
+@pytest.mark.parametrize("name", sorted(PATCHES))
+def test_every_check_passes_on_the_installed_deepspeed(name):
+    PATCHES[name].check()
+
+
+def test_check_runs_every_patch_and_names_are_known():
+    ds_compat.check()
+    assert set(PATCHES) == {
+        "zero3_param_attributes",
+        "zero_init_apply",
+        "fp32_master_shared",
+        "skip_identity_grad_passes",
+        "zero0_fp16_loss_scale",
+        "zero0_fp16_masters",
+        "checkpoint_files",
+    }
+
+
+# One internal per patch, removed: (patch, owner, attribute).
+MISSING = [
+    ("zero3_param_attributes", INIT, "_convert_to_deepspeed_param"),
+    ("zero_init_apply", INIT, "override_module_apply"),
+    ("zero_init_apply", "deepspeed.runtime.zero.partition_parameters.InsertPostInitMethodToModuleSubClasses",
+     "patch_init_and_builtins"),
+    ("fp32_master_shared", STAGE3, "_create_fp32_partitions"),
+    ("skip_identity_grad_passes", STAGE3, "_get_norm_groups"),
+    ("skip_identity_grad_passes", STAGE3, "unscale_and_clip_grads"),
+    ("zero0_fp16_loss_scale", "deepspeed.runtime.base_optimizer", "ZeROOptimizer"),
+    ("zero0_fp16_loss_scale", "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer", "loss_scale"),
+    ("zero0_fp16_masters", UNFUSED, "state_dict"),
+    ("checkpoint_files", ENGINE, "_get_ckpt_name"),
+    ("checkpoint_files", "deepspeed.checkpoint.ds_to_universal", "parse_arguments"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("patch", "owner", "attribute"), MISSING)
+def test_a_missing_internal_fails_naming_patch_attribute_and_version(monkeypatch, patch, owner, attribute):
+    monkeypatch.delattr(_owner(owner), attribute)
+    _fails(patch, f"{attribute} is missing")
+
+
+def test_a_missing_module_fails_naming_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed.checkpoint.ds_to_universal", None)  # import raises ImportError
+    _fails("checkpoint_files", "module deepspeed.checkpoint.ds_to_universal cannot be imported")
+
+
+def test_a_changed_signature_fails(monkeypatch):
+    monkeypatch.setattr(_owner(STAGE3), "_create_fp32_partitions", lambda self, device: None)
+    _fails("fp32_master_shared", "now takes (self, device), where the patch expects (self)")
+    monkeypatch.setattr(_owner(STAGE3), "unscale_and_clip_grads", lambda self, sub_group_id, norm_groups: None)
+    _fails("skip_identity_grad_passes", "unscale_and_clip_grads now takes (self, sub_group_id, norm_groups)")
+
+
+def test_a_step_that_no_longer_calls_the_replaced_method_fails(monkeypatch):
+    """The patch assigns `_get_norm_groups` on the optimizer: a step that computes the norm some other way would
+    silently ignore it."""
+
+    def step(self, closure=None):
+        return self.unscale_and_clip_grads(0, self._global_norm())
+
+    monkeypatch.setattr(_owner(STAGE3), "step", step)
+    _fails("skip_identity_grad_passes", "step no longer uses _get_norm_groups, combine_grad_norm_groups")
+
+
+def test_parameters_without_the_status_attribute_fail(monkeypatch):
+    def convert(self, param):
+        param.ds_id, param.ds_tensor, param.ds_numel, param.ds_shape = 0, None, 0, param.shape
+
+    monkeypatch.setattr(_owner(INIT), "_convert_to_deepspeed_param", convert)
+    _fails("zero3_param_attributes", "no longer uses ds_status")
+
+
+def test_an_engine_backward_that_scales_fp16_losses_itself_fails(monkeypatch):
+    """What deepspeedai/DeepSpeed PR #8393 would change: the loop's own loss scaling would then scale twice."""
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        if isinstance(self.optimizer, deepspeed.runtime.base_optimizer.ZeROOptimizer):
+            loss = self.optimizer.scale_if_loss(loss)
+        elif self.fp16_enabled() and not self.zero_optimization():
+            loss = loss * self.optimizer.cur_scale
+        loss.backward(retain_graph=retain_graph)
+
+    monkeypatch.setattr(_owner(ENGINE), "backward", backward)
+    _fails("zero0_fp16_loss_scale", "scales fp16 losses itself")
+
+
+def test_a_renamed_checkpoint_key_fails(monkeypatch):
+    def state_dict(self):
+        return {"fp32_master_groups": self.fp32_groups}
+
+    monkeypatch.setattr(_owner(UNFUSED), "state_dict", state_dict)
+    _fails("zero0_fp16_masters", "state_dict no longer has the string fp32_groups")
+
+
+def test_renamed_checkpoint_files_fail(monkeypatch):
+    monkeypatch.setattr(_owner(ENGINE), "_get_ckpt_name", lambda self, path, tag: f"{path}/{tag}/model_states_00.pt")
+    _fails("checkpoint_files", "model states are saved as model_states_00.pt, not mp_rank_00_model_states.pt")
+    monkeypatch.undo()
+    monkeypatch.setattr(_owner(ENGINE), "_get_zero_ckpt_prefix", lambda self, dp_rank, bf16_mode: f"dp{dp_rank}")
+    _fails("checkpoint_files", "ZeRO shards are saved as dp0_optim_states.pt, which *zero_pp_rank_* does not match")
+
+
+def test_a_converter_without_a_flag_we_pass_fails(monkeypatch):
+    """A stand-in ds_to_universal module whose command line lacks --inject_missing_state."""
+    stand_in = types.ModuleType("deepspeed.checkpoint.ds_to_universal")
+
+    def parse_arguments():
+        return ["--input_folder", "--output_folder", "--num_extract_workers", "--num_merge_workers"]
+
+    stand_in.main, stand_in.parse_arguments = (lambda args=None: None), parse_arguments
+    monkeypatch.setitem(sys.modules, "deepspeed.checkpoint.ds_to_universal", stand_in)
+    _fails("checkpoint_files", "parse_arguments no longer has the string --inject_missing_state")
+
+
+def test_parallelize_runs_the_checks_before_anything_else(monkeypatch, tmp_path):
+    monkeypatch.delattr(_owner(STAGE3), "_create_fp32_partitions")
+    cfg = load_config(None, [f"run_dir={tmp_path}"])
+    dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(DeepSpeedCompatError, match=re.escape("'fp32_master_shared'")):
+        parallelize(torch.nn.Linear(2, 2), cfg=cfg, dist=dist, run_dir=tmp_path)
+    assert not (tmp_path / "deepspeed.json").exists()  # refused before anything was written
+
+
+def test_identity_grad_passes_are_dropped_only_without_clipping_or_loss_scaling():
+    def zero3(**settings):  # a stand-in ZeRO-3 optimizer with the attributes the patch reads
+        partitions = [torch.ones(3)]
+        base = dict(clip_grad=0.0, dynamic_loss_scale=False, loss_scale=1.0, fp32_partitioned_groups_flat=partitions)
+        return SimpleNamespace(**{**base, **settings})
+
+    plain = zero3()
+    assert ds_compat.skip_identity_grad_passes(plain)
+    assert [n.item() for n in plain._get_norm_groups()] == [0.0]
+    assert plain.unscale_and_clip_grads(0, torch.tensor(5.0)) is None
+    for settings in ({"clip_grad": 1.0}, {"dynamic_loss_scale": True}, {"loss_scale": 2.0**16}):
+        kept = zero3(**settings)
+        assert not ds_compat.skip_identity_grad_passes(kept)
+        assert not hasattr(kept, "_get_norm_groups")
+
+
+def test_zero3_parameter_attributes_on_plain_and_stand_in_parameters():
+    plain = torch.nn.Parameter(torch.zeros(4, 3))
+    assert not ds_compat.is_zero3_param(plain) and not ds_compat.is_released(plain)
+    assert ds_compat.full_shape(plain) == (4, 3)
+    partitioned = torch.nn.Parameter(torch.zeros(6))  # this rank's half of a (4, 3) weight
+    released = importlib.import_module("deepspeed.runtime.zero.partition_parameters").ZeroParamStatus.NOT_AVAILABLE
+    partitioned.ds_id, partitioned.ds_shape, partitioned.ds_status = 7, torch.Size((4, 3)), released
+    partitioned.ds_tensor, partitioned.ds_numel = torch.zeros(6), 12
+    assert ds_compat.is_zero3_param(partitioned) and ds_compat.is_released(partitioned)
+    assert ds_compat.full_shape(partitioned) == (4, 3)
+    module = torch.nn.Module()
+    module.weight = partitioned
+    assert ds_compat.is_partitioned(module) and ds_compat.partition_sizes(module) == (6, 12)
+    assert ds_compat.partition_report(module) == "this rank holds 6 of 12 parameters (50.0%)"
+
+
+@pytest.mark.parametrize("name", ["mae", "beit", "tokenizer", "targets"])
+def test_objectives_import_no_engine_deepspeed_or_process_group(name):
+    """The objectives are plain models: distribution is applied to them from core/engine."""
+    tree = ast.parse((REPO / "pretrain" / f"{name}.py").read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    forbidden = ("deepspeed", "core.engine", "torch.distributed")
+    assert [m for m in imported if m.startswith(forbidden)] == []
+
+
+def test_mae_init_touches_only_the_visited_modules_own_weights(monkeypatch):
+    """What ZeRO-3 construction relies on (patch `zero_init_apply`): inside deepspeed.zero.Init, `Module.apply` lends
+    each visited module the full values of its own parameters only, every other parameter being an empty partition.
+    A stand-in of that `apply` on one process gives MAE's init the same values as the ordinary call."""
+    torch.manual_seed(0)
+    encoder = build_vit("tiny", img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
+    reference = MAE(encoder, decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2)
+    partitioned = copy.deepcopy(reference)
+    torch.manual_seed(1)
+    reference.init_weights()
+
+    full = {p: p.data for p in partitioned.parameters()}
+    for p in full:
+        p.data = torch.empty(0)
+
+    def gathering_apply(module: torch.nn.Module, fn):
+        for child in module.children():
+            gathering_apply(child, fn)
+        own = list(module.parameters(recurse=False))
+        for p in own:
+            p.data = full[p]
+        fn(module)
+        for p in own:
+            full[p], p.data = p.data, torch.empty(0)
+        return module
+
+    monkeypatch.setattr(torch.nn.Module, "apply", gathering_apply)
+    torch.manual_seed(1)
+    partitioned.init_weights()
+    for p in full:
+        p.data = full[p]
+    expected = reference.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in partitioned.state_dict().items())
+    assert not partitioned.encoder.pos_embed.requires_grad
