@@ -131,7 +131,7 @@ class MatrixLayout:
     top: int  # y of the cells' top edge
     body: int  # height of the band holding the cells, the colour scale and the row-axis title
     label_width: int  # row labels' width (= column labels' height once rotated)
-    width: int
+    width: int  # the picture is wider when its title needs it; nothing else moves
     height: int
 
     def cell_box(self, row: int, col: int) -> tuple[int, int, int, int]:
@@ -163,7 +163,6 @@ def matrix_layout(
     col_labels: Sequence[str],
     *,
     row_title: str,
-    title: str,
 ) -> MatrixLayout:
     """The geometry `labelled_matrix` draws with these texts (cells square and wide enough for every text)."""
     rows, cols = len(row_labels), len(col_labels)
@@ -174,9 +173,8 @@ def matrix_layout(
     left = line_height() + 2 * _MARGIN + label_width + _MARGIN
     top = title_height()
     scale_right = left + cols * cell + 3 * _MARGIN + _SCALE_WIDTH + _MARGIN + text_width("0.5") + _MARGIN
-    width = max(scale_right, text_width(title) + 2 * _MARGIN)
     height = top + max(body, rows * cell + _MARGIN + label_width) + title_height()
-    return MatrixLayout(rows, cols, cell, left, top, body, label_width, width, height)
+    return MatrixLayout(rows, cols, cell, left, top, body, label_width, scale_right, height)
 
 
 def labelled_matrix(
@@ -201,10 +199,11 @@ def labelled_matrix(
         scale: (colour of 0, colour of 1), each (3,): the colour bar right of the matrix runs linearly between them.
 
     Returns:
-        (3, H, W) float in [0, 1], laid out as `matrix_layout` says.
+        (3, H, W) float in [0, 1], laid out as `matrix_layout` says (W larger when the title needs it).
     """
-    layout = matrix_layout(cell_text, row_labels, col_labels, row_title=row_title, title=title)
-    picture = Image.new("RGB", (layout.width, layout.height), _WHITE)
+    layout = matrix_layout(cell_text, row_labels, col_labels, row_title=row_title)
+    width = max(layout.width, text_width(title) + 2 * _MARGIN)
+    picture = Image.new("RGB", (width, layout.height), _WHITE)
     draw = ImageDraw.Draw(picture)
     draw.text((_MARGIN, _MARGIN), title, fill=_BLACK, font=font())
     rgb = (colors.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8).tolist()  # (R, C, 3) as lists

@@ -22,6 +22,7 @@ from finetune.classification import topk_correct
 _WHITE = (1.0, 1.0, 1.0)
 _DARK_BLUE = (8 / 255, 48 / 255, 107 / 255)
 _NO_SAMPLES_GREY = 0.85  # rows of classes without samples, told apart from "never predicted"
+ROW_TITLE = "true class"  # the confusion picture's row axis
 
 
 @torch.no_grad()
@@ -179,7 +180,8 @@ def confusion_image(
             the whole row, so a row's drawn cells may sum to less than 1).
 
     Returns:
-        (3, H, W) float in [0, 1], laid out as `core.pictures.matrix_layout` says for `confusion_cell_text`.
+        (3, H, W) float in [0, 1], laid out as `core.pictures.matrix_layout` says for the shown part's
+        `confusion_cell_text`, the (shown) class names and ROW_TITLE.
     """
     if max_classes < 1:
         raise ValueError(f"max_classes must be >= 1, got {max_classes}")
@@ -201,7 +203,7 @@ def confusion_image(
         confusion_cell_text(counts[:shown, :shown]),
         row_labels=names[:shown],
         col_labels=names[:shown],
-        row_title="true class",
+        row_title=ROW_TITLE,
         col_title="predicted class",
         title=f"counts; colour = fraction of the true class{part}",
         scale=(white, blue),
