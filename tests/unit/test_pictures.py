@@ -13,7 +13,7 @@ from core.models import build_vit
 from core.pictures import PADDING, bar_chart, bar_chart_origin, image_grid, title_height, upscale_nearest
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.pictures import MASKED_GREY, OUTLINE, code_usage, code_usage_picture, masked_patch_grid
-from pretrain.targets import Color3Bit4x4, MeanColor3Bit, class_colors, quantize_color
+from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2, class_colors, quantize_color
 
 NORM = dict(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
 
@@ -125,6 +125,19 @@ def test_beit_picture_outlines_the_border_of_the_masked_region_only():
     assert (ys.min(), ys.max(), xs.min(), xs.max()) == (28, 83, 28, 83)  # the block's outer border
     assert orange[28, 28:84].all() and orange[83, 28:84].all() and orange[28:84, 28].all()
     assert not orange[55, 29:83].any()  # no line between the block's own patches
+
+
+def test_beit_picture_of_a_perfect_pixel_prediction_is_the_input():
+    batch = _masked_batch()
+    with torch.no_grad():
+        out = _beit(PixelsL2((4, 4), norm_pix=True))(batch)
+    kwargs = dict(target_kind="pixels_l2", patch_size=(4, 4), norm_pix=True, **NORM)
+    grid = masked_patch_grid(batch["image"], out["mask"], out["target"], out["target"], **kwargs)
+    assert grid.shape[-1] == 3 * (112 + PADDING) + PADDING  # input, masked, predicted: the target is the input
+    for row in range(3):
+        predicted, original = _tile(grid, row, 2, 112), _tile(grid, row, 0, 112)
+        inside = ~(predicted == torch.tensor(OUTLINE).view(3, 1, 1)).all(dim=0)  # (112, 112) off the outline
+        torch.testing.assert_close(predicted[:, inside], original[:, inside], atol=1e-5, rtol=0)
 
 
 def test_code_usage_histogram_holds_the_code_counts(tmp_path):
