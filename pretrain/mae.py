@@ -314,7 +314,6 @@ def reconstruction_grid(
     pixel_mask = unpatchify(mask.unsqueeze(-1).expand_as(pred), patch_size, grid_size)  # (B, C, H, W) 1 = masked
     masked = original * (1 - pixel_mask) + 0.5 * pixel_mask
     pasted = original * (1 - pixel_mask) + reconstruction * pixel_mask
-    return image_grid([original, masked, reconstruction, pasted], MAE_TITLES)
-
-
-MAE_TITLES = ("original", "masked", "reconstruction", "pred + visible")
+    return image_grid(
+        [original, masked, reconstruction, pasted], ["original", "masked", "reconstruction", "pred + visible"]
+    )
