@@ -67,22 +67,23 @@ class MetricsLogger:
             global_step=step,
         )
 
-    def hparams(self, config: dict, metrics: list[str]) -> None:
+    def hparams(self, config: dict) -> None:
         """The run's settings for TensorBoard's HPARAMS tab, which compares runs side by side.
 
-        Writes the plugin's three summaries (experiment, session start, session end) into this run's own event file,
-        without metric values: the tab reads each metric's latest value from this run's scalars of that tag, so it
-        stays right however often the run is resumed. TensorBoard keeps a run's first session-start summary.
+        Writes the plugin's session-start summary (and a session end) into this run's own event file, and no
+        experiment summary: TensorBoard then builds the table from every run's settings (the union of their keys, so
+        an MAE run and a BEiT run with its target settings sit side by side) and offers every scalar tag as a
+        metric column, showing each run's latest value, so it stays right however often the run is resumed.
 
         Args:
             config: The resolved config as a nested dict; logged as `flat_hparams(config)`.
-            metrics: Scalar tags the tab shows next to the settings (e.g. "train/loss", "val/top1").
         """
         if not (self.enabled and self._writer is not None):
             return
         from torch.utils.tensorboard.summary import hparams
 
-        for summary in hparams(flat_hparams(config), dict.fromkeys(metrics, 0.0)):
+        _, session_start, session_end = hparams(flat_hparams(config), {})  # the experiment summary is left out
+        for summary in (session_start, session_end):
             self._writer.file_writer.add_summary(summary)
         self._writer.flush()
 

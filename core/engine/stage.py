@@ -31,13 +31,6 @@ from data.pipeline import dataset_size, make_train_loader, resolve_shards
 EXIT_NONFINITE = 3
 """Process exit code after `engine.max_consecutive_nonfinite` non-finite losses in a row (see `run_loop`)."""
 
-HPARAM_METRICS = {
-    "pretrain": ["train/loss", "train/mlm_acc"],
-    "tokenizer": ["train/loss", "train/recon_loss", "train/perplexity", "train/codes_used"],
-    "finetune": ["val/top1", "val/top5", "val/loss", "train/loss"],
-}
-"""Scalar tags TensorBoard's HPARAMS tab shows next to each run's settings (their latest values), per stage."""
-
 
 @dataclass
 class StageRun:
@@ -75,7 +68,7 @@ def start_stage(prog: str, argv: list[str] | None) -> StageRun:
     resume = find_resume(run_dir, dist.rank, dist.world_size)
     logger = MetricsLogger(run_dir, enabled=dist.is_main, tensorboard=cfg.logging.tensorboard, total_steps=total_steps)
     if resume is None:  # TensorBoard would keep a run's first hparams anyway; the resumed config is in config.yaml
-        logger.hparams(cfg.model_dump(mode="json"), metrics=HPARAM_METRICS[cfg.stage])
+        logger.hparams(cfg.model_dump(mode="json"))
     state = TrainState()
     load_states(resume, {"train": state})  # the data position is needed before the engine; the RNGs come after it
     return StageRun(

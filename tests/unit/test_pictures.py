@@ -178,21 +178,21 @@ def test_flat_hparams_gives_dotted_keys_of_plain_values():
     assert all(isinstance(v, int | float | str) for v in resolved.values())
 
 
-def test_hparams_summary_is_in_the_event_file_with_the_metric_tags(tmp_path):
+def test_hparams_summary_is_in_the_event_file_without_an_experiment(tmp_path):
     config = Config().model_dump(mode="json")
     logger = MetricsLogger(tmp_path, enabled=True)
-    logger.hparams(config, metrics=["train/loss", "val/top1"])
+    logger.hparams(config)
     logger.scalars(1, {"train/loss": 2.5})
     logger.close()
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     content = events.PluginTagToContent(hparams_metadata.PLUGIN_NAME)
     start = HParamsPluginData.FromString(content[hparams_metadata.SESSION_START_INFO_TAG]).session_start_info
-    experiment = HParamsPluginData.FromString(content[hparams_metadata.EXPERIMENT_TAG]).experiment
     assert set(start.hparams) == set(flat_hparams(config))
     assert start.hparams["optim.base_lr"].number_value == config["optim"]["base_lr"]
     assert start.hparams["objective.kind"].string_value == "mae"
-    assert [m.name.tag for m in experiment.metric_infos] == ["train/loss", "val/top1"]
-    assert [s.value for s in events.Scalars("train/loss")] == [2.5]  # the tab reads the metric from the scalars
-    MetricsLogger(tmp_path / "other", enabled=False).hparams(config, metrics=["train/loss"])
+    # No experiment summary: TensorBoard builds it from every run's settings and takes the metrics from the scalars.
+    assert hparams_metadata.EXPERIMENT_TAG not in content
+    assert [s.value for s in events.Scalars("train/loss")] == [2.5]
+    MetricsLogger(tmp_path / "other", enabled=False).hparams(config)
     assert not (tmp_path / "other").exists()
