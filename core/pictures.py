@@ -52,12 +52,6 @@ def abbreviate(text: str, max_chars: int = MAX_LABEL_CHARS) -> str:
     return text if len(text) <= max_chars else text[: max_chars - 1] + "\u2026"
 
 
-def to_pil(image: torch.Tensor) -> Image.Image:
-    """(3, H, W) float in [0, 1] -> RGB Pillow image."""
-    array = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-    return Image.fromarray(np.ascontiguousarray(array), mode="RGB")
-
-
 def from_pil(image: Image.Image) -> torch.Tensor:
     """RGB Pillow image -> (3, H, W) float in [0, 1]."""
     return torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1).contiguous()
