@@ -12,7 +12,7 @@ import torch
 
 
 class MetricsLogger:
-    """Writes scalars, images and text for one run; inert unless `enabled` (rank 0)."""
+    """Writes scalars, images, histograms, hparams and text for one run; inert unless `enabled` (rank 0)."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool = True, total_steps: int = 0):
         self.enabled = enabled
@@ -47,6 +47,45 @@ class MetricsLogger:
         """`image`: (3, H, W) float in [0, 1]."""
         if self.enabled and self._writer is not None:
             self._writer.add_image(tag, image.clamp(0, 1), step)
+
+    def histogram_counts(self, tag: str, step: int, counts: torch.Tensor) -> None:
+        """A histogram of integer values from their counts: `counts[i]` samples of value i, one bucket per value."""
+        if not (self.enabled and self._writer is not None):
+            return
+        counts = counts.detach().double().cpu()
+        values = torch.arange(len(counts), dtype=torch.float64)
+        used = values[counts > 0]
+        self._writer.add_histogram_raw(
+            tag,
+            min=float(used.min()) if len(used) else 0.0,
+            max=float(used.max()) if len(used) else 0.0,
+            num=float(counts.sum()),
+            sum=float((values * counts).sum()),
+            sum_squares=float((values * values * counts).sum()),
+            bucket_limits=(values + 0.5).tolist(),  # bucket i holds the values in (i - 0.5, i + 0.5]
+            bucket_counts=counts.tolist(),
+            global_step=step,
+        )
+
+    def hparams(self, config: dict) -> None:
+        """The run's settings for TensorBoard's HPARAMS tab, which compares runs side by side.
+
+        Writes the plugin's session-start summary (and a session end) into this run's own event file, and no
+        experiment summary: TensorBoard then builds the table from every run's settings (the union of their keys, so
+        an MAE run and a BEiT run with its target settings sit side by side) and offers every scalar tag as a
+        metric column, showing each run's latest value, so it stays right however often the run is resumed.
+
+        Args:
+            config: The resolved config as a nested dict; logged as `flat_hparams(config)`.
+        """
+        if not (self.enabled and self._writer is not None):
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        _, session_start, session_end = hparams(flat_hparams(config), {})  # the experiment summary is left out
+        for summary in (session_start, session_end):
+            self._writer.file_writer.add_summary(summary)
+        self._writer.flush()
 
     def text(self, tag: str, step: int, text: str) -> None:
         if self.enabled and self._writer is not None:
@@ -83,6 +122,28 @@ _CONSOLE_KEYS = (
     "train/codes_used",
     "train/skipped_steps",
 )
+
+
+def flat_hparams(config: dict, prefix: str = "") -> dict[str, float | int | str]:
+    """A nested config as TensorBoard hparams: dotted keys, and only values the plugin accepts.
+
+    Numbers and strings are kept, booleans become "true" / "false", None becomes "none", lists and tuples become
+    their JSON text (e.g. data.mean "[0.5, 0.5, 0.5]"); nested dicts give dotted keys (optim.base_lr).
+    """
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat |= flat_hparams(value, f"{name}.")
+        elif isinstance(value, bool):
+            flat[name] = "true" if value else "false"
+        elif isinstance(value, int | float | str):
+            flat[name] = value
+        elif value is None:
+            flat[name] = "none"
+        else:
+            flat[name] = json.dumps(value)
+    return flat
 
 
 def _clock(seconds: float) -> str:

@@ -1,12 +1,14 @@
 """Convert any checkpoint the hand-off accepts into our export folder (timm `local-dir` layout + manifest).
 
-    python -m finetune convert SRC DST [--arch TIMM_NAME] [--trust-checkpoint]
+    python -m finetune convert SRC DST [--num-heads N] [--arch TIMM_NAME] [--trust-checkpoint]
 
 The structure (width, depth, MLP ratio, patch size, image size from the position grid, classes from the head, ...)
-is read from the weights; the number of attention heads cannot be, so a bare checkpoint needs `--arch`, a timm
-architecture of the checkpoint's width (e.g. vit_base_patch16_224 for D = 768, deit_base_distilled_patch16_224 to
-keep a DeiT distillation token). Our own export carries its config.json and needs none. The classifier head, if
-any, is kept; decoder, mask token and other non-encoder tensors are dropped and listed in the manifest.
+is read from the weights; the number of attention heads cannot be. For timm's standard widths it is timm's
+(192, 384, 768, 1024, 1280: tiny, small, base, large, huge, with 3, 6, 12, 16, 16 heads) and the export is named
+after that architecture (DeiT's distilled one when the checkpoint has a distillation token); any other width needs
+`--num-heads`. `--arch` names the timm architecture to build instead (its heads are used unless `--num-heads` is
+given). Our own export carries its config.json and needs none of them. The classifier head, if any, is kept;
+decoder, mask token and other non-encoder tensors are dropped and listed in the manifest.
 """
 
 from __future__ import annotations
@@ -29,19 +31,36 @@ from finetune.handoff import LoadReport, load_encoder
 # Official MAE and DeiT weights were trained on ImageNet statistics; timm's plain ViT defaults are 0.5 / 0.5.
 IMAGENET_FORMATS = ("mae-pretrain", "mae-finetune", "deit-distilled")
 
+STANDARD_WIDTHS = {
+    192: ("vit_tiny_patch16_224", 3),
+    384: ("vit_small_patch16_224", 6),
+    768: ("vit_base_patch16_224", 12),
+    1024: ("vit_large_patch16_224", 16),
+    1280: ("vit_huge_patch14_224", 16),
+}
+"""Width -> (timm architecture, its num_heads): what a checkpoint of that width is converted as without flags."""
+DISTILLED_ARCHS = {192: "deit_tiny_distilled_patch16_224", 384: "deit_small_distilled_patch16_224"}
+DISTILLED_DEFAULT = "deit_base_distilled_patch16_224"  # the class that keeps a distillation token, at any width
+PLAIN_DEFAULT = "vit_base_patch16_224"  # the architecture named for a non-standard width given --num-heads
+
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: `argv` is what follows `python -m finetune convert`. Returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m finetune convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", type=Path, help="checkpoint: export folder, .pth/.bin/.safetensors, MAE/DeiT pickle")
     parser.add_argument("dst", type=Path, help="export folder to write (replaced if it holds an earlier export)")
-    parser.add_argument("--arch", help="timm architecture of the checkpoint's width (gives num_heads)")
+    parser.add_argument(
+        "--num-heads", type=int, help="attention heads (needed for widths other than 192, 384, 768, 1024, 1280)"
+    )
+    parser.add_argument("--arch", help="timm architecture to build (its num_heads is used unless --num-heads)")
     parser.add_argument(
         "--trust-checkpoint", action="store_true", help="allow unpickling non-tensor objects (can run code)"
     )
     args = parser.parse_args(argv)
     try:
-        report = convert(args.src, args.dst, arch=args.arch, trust_checkpoint=args.trust_checkpoint)
+        report = convert(
+            args.src, args.dst, arch=args.arch, num_heads=args.num_heads, trust_checkpoint=args.trust_checkpoint
+        )
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
@@ -50,23 +69,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def convert(src: str | Path, dst: str | Path, *, arch: str | None = None, trust_checkpoint: bool = False) -> LoadReport:
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    arch: str | None = None,
+    num_heads: int | None = None,
+    trust_checkpoint: bool = False,
+) -> LoadReport:
     """Write the checkpoint at `src` as our export at `dst`.
 
     Args:
         src: Any checkpoint `finetune.handoff.load_encoder` accepts.
         dst: Export folder to write.
-        arch: timm architecture name; required unless `src` is our export.
+        arch: timm architecture to build; None picks one by width (see the module docstring).
+        num_heads: Attention heads; None takes them from `arch`, or from the width when it is a standard one.
         trust_checkpoint: Allow a full unpickle of `src`.
 
     Returns:
         The load report of the weights into the rebuilt model.
 
     Raises:
-        ValueError: An unreadable or untrusted `src`, a missing or unfitting `arch`, or weights that do not load.
+        ValueError: An unreadable or untrusted `src`, a non-standard width without `num_heads`, a `num_heads` that
+            does not divide the width, an unfitting `arch`, or weights that do not load.
     """
     ckpt = read_checkpoint(src, trust=trust_checkpoint)
-    model = _build_model(ckpt, arch).eval()
+    model = _build_model(ckpt, arch, num_heads).eval()
     keep_head = isinstance(model.head, torch.nn.Linear)
     report = load_encoder(model, src, head_init="keep", trust_checkpoint=trust_checkpoint, keep_head=keep_head)
     manifest = {
@@ -115,28 +143,52 @@ def infer_vit_args(state: dict[str, torch.Tensor]) -> dict:
     return args
 
 
-def _build_model(ckpt: Checkpoint, arch: str | None) -> VisionTransformer:
-    """Our export from its config.json; any other checkpoint as `arch` with the structure read from its weights."""
-    if arch is None:
-        if ckpt.format != "mimpipe-export":
-            raise ValueError(
-                f"{ckpt.source} is a {ckpt.format} checkpoint: pass --arch, a timm architecture of its width "
-                "(num_heads cannot be read from weights), e.g. vit_base_patch16_224"
-            )
+def _build_model(ckpt: Checkpoint, arch: str | None, num_heads: int | None) -> VisionTransformer:
+    """Our export from its config.json; any other checkpoint as a timm ViT with the structure read from its weights
+    and the heads from `num_heads`, `arch` or the width, in that order."""
+    if arch is None and num_heads is None and ckpt.format == "mimpipe-export":
         return timm.create_model(f"local-dir:{ckpt.source.parent}", pretrained=False)
+    args = infer_vit_args(ckpt.state)
+    width = args["embed_dim"]
+    if num_heads is not None and (num_heads < 1 or width % num_heads):
+        raise ValueError(f"--num-heads {num_heads} does not divide {ckpt.source}'s width {width}")
+    if arch is None:
+        arch, num_heads = _default_arch(ckpt, width, distilled="dist_token" in ckpt.state, num_heads=num_heads)
     if not timm.is_model(arch):
         raise ValueError(f"--arch {arch!r} is not a timm architecture")
-    args = infer_vit_args(ckpt.state)
     with torch.device("meta"):
         reference = timm.create_model(arch, pretrained=False)
     if not isinstance(reference, VisionTransformer):
         raise ValueError(f"--arch {arch} builds a {type(reference).__name__}, not a timm VisionTransformer")
-    if reference.embed_dim != args["embed_dim"]:
+    if num_heads is None and reference.embed_dim != width:
         raise ValueError(
-            f"--arch {arch} has embed_dim {reference.embed_dim}, {ckpt.source} has {args['embed_dim']}: name the "
-            "architecture the checkpoint was trained as (its num_heads is used)"
+            f"--arch {arch} has embed_dim {reference.embed_dim}, {ckpt.source} has {width}: name the architecture "
+            "the checkpoint was trained as (its num_heads is used), or give --num-heads"
         )
+    if num_heads is not None:
+        args["num_heads"] = num_heads
     try:
         return timm.create_model(arch, pretrained=False, **args)
     except (AssertionError, TypeError) as e:  # timm asserts on arguments its variant does not support
         raise ValueError(f"--arch {arch} cannot be built with {args}: {e}") from e
+
+
+def _default_arch(ckpt: Checkpoint, width: int, *, distilled: bool, num_heads: int | None) -> tuple[str, int]:
+    """(architecture, num_heads) for a checkpoint converted without --arch: timm's of its width when standard."""
+    standard = STANDARD_WIDTHS.get(width)
+    if standard is None and num_heads is None:
+        widths = ", ".join(map(str, STANDARD_WIDTHS))
+        raise ValueError(
+            f"{ckpt.source} is a {ckpt.format} checkpoint of width {width}, not one of timm's standard widths "
+            f"({widths}), so its number of attention heads is unknown: pass --num-heads N, a divisor of {width} "
+            f"(e.g. --num-heads {_suggested_heads(width)}, heads of about 64 channels as in timm's ViTs)"
+        )
+    arch, heads = standard or (PLAIN_DEFAULT, num_heads)
+    if distilled:
+        arch = DISTILLED_ARCHS.get(width, DISTILLED_DEFAULT)
+    return arch, num_heads or heads
+
+
+def _suggested_heads(width: int) -> int:
+    """The divisor of `width` whose head size is closest to 64."""
+    return min((d for d in range(1, width + 1) if width % d == 0), key=lambda d: abs(width / d - 64))

@@ -5,7 +5,7 @@ a confusion matrix), and the sums are all-reduced once at the end. Ranks step in
 batch says whether anyone still has data) and a rank that has run out forwards a zero-weight stand-in batch (a copy
 of its last real batch), because under ZeRO-3 every forward is collective.
 
-Shapes: B batch, K classes, C cell size in pixels.
+Shapes: B batch, K classes.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ import torch.nn.functional as F
 
 from core.engine.distributed import DistInfo, all_reduce
 from core.engine.loop import autocast_context, to_device
+from core.pictures import labelled_matrix
 from finetune.classification import topk_correct
 
 # Colour map of `confusion_image`: a row-normalised fraction of 0 is white, 1 is dark blue (matplotlib "Blues" ends).
 _WHITE = (1.0, 1.0, 1.0)
 _DARK_BLUE = (8 / 255, 48 / 255, 107 / 255)
 _NO_SAMPLES_GREY = 0.85  # rows of classes without samples, told apart from "never predicted"
+ROW_TITLE = "true class"  # the confusion picture's row axis
 
 
 @torch.no_grad()
@@ -163,31 +165,51 @@ def _check_square(confusion: torch.Tensor, class_names: list[str] | None) -> int
 def confusion_image(
     confusion: torch.Tensor, class_names: list[str] | None = None, max_classes: int = 100
 ) -> torch.Tensor:
-    """A picture of the row-normalised confusion matrix, for TensorBoard (`MetricsLogger.image`).
+    """A picture of the confusion matrix for TensorBoard (`MetricsLogger.image`): counts in the cells, coloured by
+    the row-normalised fraction.
 
-    Each cell is a C x C block of pixels (C = 512 // K, between 1 and 32), coloured from white (fraction 0 of the
-    true class's samples) to dark blue (fraction 1): a good classifier shows a dark diagonal. Rows of classes
-    without samples are light grey. Rows run top to bottom, columns left to right, in class-index order.
+    Rows are true classes (top to bottom), columns predicted classes (left to right), both named on their axis
+    (names longer than 16 characters are shortened, column names rotated). Each cell shows its count (blank for 0)
+    on a colour from white (fraction 0 of the true class's samples) to dark blue (fraction 1), with the colour scale
+    on the right: a good classifier shows a dark diagonal. Rows of classes without samples are light grey.
 
     Args:
         confusion: (K, K) counts, rows true classes, columns predicted classes.
-        class_names: Only checked to number K: the picture has no text (pure torch, no fonts), read the names off
-            `per_class_table`, which lists classes in the same order.
+        class_names: K names in class-index order; None numbers the classes 0 .. K-1.
         max_classes: If K is larger, only the first `max_classes` rows and columns are drawn (still normalised by
             the whole row, so a row's drawn cells may sum to less than 1).
 
     Returns:
-        (3, H, W) float in [0, 1], H = W = C * min(K, max_classes).
+        (3, H, W) float in [0, 1], laid out as `core.pictures.matrix_layout` says for the shown part's
+        `confusion_cell_text`, the (shown) class names and ROW_TITLE.
     """
     if max_classes < 1:
         raise ValueError(f"max_classes must be >= 1, got {max_classes}")
-    _check_square(confusion, class_names)
-    counts = confusion.detach().to("cpu", torch.float64)  # (K, K)
+    num_classes = _check_square(confusion, class_names)
+    names = list(class_names) if class_names is not None else [str(k) for k in range(num_classes)]
+    counts = confusion.detach().to("cpu", torch.int64)  # (K, K)
     row_sums = counts.sum(dim=1, keepdim=True)  # (K, 1)
-    shown = min(counts.shape[0], max_classes)
-    fractions = (counts / row_sums.clamp(min=1))[:shown, :shown].float()  # (k, k), k = shown
+    shown = min(num_classes, max_classes)
+    fractions = (counts.double() / row_sums.clamp(min=1))[:shown, :shown].float()  # (k, k), k = shown
     white, blue = torch.tensor(_WHITE), torch.tensor(_DARK_BLUE)  # (3,)
-    image = white[:, None, None] + (blue - white)[:, None, None] * fractions  # (3, k, k)
-    image[:, (row_sums[:shown, 0] == 0)] = _NO_SAMPLES_GREY
-    cell = max(1, min(32, 512 // shown))
-    return image.repeat_interleave(cell, dim=1).repeat_interleave(cell, dim=2).clamp(0, 1)  # (3, k*C, k*C)
+    colors = white + (blue - white) * fractions[..., None]  # (k, k, 3)
+    colors[row_sums[:shown, 0] == 0] = _NO_SAMPLES_GREY
+    empty_rows = bool((row_sums[:shown] == 0).any())
+    part = (f" (first {shown} of {num_classes} classes)" if shown < num_classes else "") + (
+        "; grey rows: no samples" if empty_rows else ""
+    )
+    return labelled_matrix(
+        colors,
+        confusion_cell_text(counts[:shown, :shown]),
+        row_labels=names[:shown],
+        col_labels=names[:shown],
+        row_title=ROW_TITLE,
+        col_title="predicted class",
+        title=f"counts; colour = fraction of the true class{part}",
+        scale=(white, blue),
+    )
+
+
+def confusion_cell_text(counts: torch.Tensor) -> list[list[str]]:
+    """The text of each cell of `confusion_image`: the count, or nothing for 0."""
+    return [[str(count) if count else "" for count in row] for row in counts.tolist()]

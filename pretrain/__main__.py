@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from core.engine.failure import run_guarded
-from core.engine.loop import autocast_context, to_device
 from core.engine.stage import (
     export_state_dict,
     finish_stage,
@@ -22,11 +19,10 @@ from core.engine.stage import (
     start_stage,
     train_stream,
 )
-from data.pipeline import make_eval_loader, resolve_shards
-from data.transforms import eval_transform
 from pretrain.export import main as export_main
 from pretrain.export import pretrain_manifest
-from pretrain.objectives import PICTURES, objective_builder, train_transform, visualize
+from pretrain.objectives import objective_builder, train_transform
+from pretrain.pictures import picture_hook
 from pretrain.train_tokenizer import train_tokenizer
 
 
@@ -48,22 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     seed_everything(cfg.seed)
     engine, optimizer = start_engine(run, objective_builder(cfg))
 
-    # Reconstructions of one fixed batch with one fixed mask, so pictures are comparable across steps.
-    fixed_tf = eval_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, crop_pct=1.0)
-    fixed_loader = make_eval_loader(
-        resolve_shards(cfg.data.train)[:1], transform=fixed_tf, batch_size=8, rank=0, world_size=1, num_workers=0,
-        labels=False,
-    )  # fmt: skip
-    fixed = to_device(next(iter(fixed_loader)), dist.device, cfg.engine.precision)
-
-    def log_images(step: int) -> None:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), autocast_context(cfg.engine.precision, dist.device):
-            torch.manual_seed(0)
-            out = engine(fixed)
-        run.logger.image("train/reconstruction", step, visualize(cfg, fixed, out))
+    # Pictures of the objective's output on one fixed batch with fixed masks, comparable across steps
+    log_images = picture_hook(run, engine)
 
     # Loop
-    code = run_loop(run, engine, optimizer, batches, log_images=log_images if cfg.objective.kind in PICTURES else None)
+    code = run_loop(run, engine, optimizer, batches, log_images=log_images)
     if code:
         return code
 

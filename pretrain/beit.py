@@ -139,7 +139,8 @@ class MaskedPatchPrediction(nn.Module):
                 the target reads (e.g. "tokenizer_image").
 
         Returns:
-            "loss" (float32 scalar), "mlm_acc" (classification targets), "mask" (B, L) bool, "pred" (N, O * K).
+            "loss" (float32 scalar), "mlm_acc" (classification targets), "mask" (B, L) bool, "pred" (N, O * K),
+            "target" the selected patches' targets, (N,) / (N, O) / (N, P) (for pictures of the predictions).
         """
         mask = batch["mask"].flatten(1).bool()  # (B, L)
         with torch.no_grad():
@@ -147,7 +148,7 @@ class MaskedPatchPrediction(nn.Module):
         latent = self.forward_encoder(batch["image"], mask)  # (B, 1 + L, D)
         pred = self.head(latent[:, 1:][mask])  # (N, O * K): the head runs on the selected patches only
         loss, accuracy = self.forward_loss(pred, target)
-        out = {"loss": loss, "mask": mask, "pred": pred}
+        out = {"loss": loss, "mask": mask, "pred": pred, "target": target}
         if accuracy is not None:
             out["mlm_acc"] = accuracy
         return out

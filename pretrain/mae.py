@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from functools import partial
 
 import torch
-import torchvision
 from timm.models import checkpoint_seq
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from core.models import sincos_pos_embed_2d
+from core.pictures import image_grid
 
 # MAE's norm_pix_loss adds this to the per-patch variance before the square root.
 _NORM_PIX_EPS = 1e-6
@@ -289,7 +289,7 @@ def reconstruction_grid(
 ) -> torch.Tensor:
     """Picture of MAE reconstructions for TensorBoard's `add_image`.
 
-    One row per sample with four panels: original | masked (masked patches grey) | reconstruction |
+    One row per sample with four titled panels: original | masked (masked patches grey) | reconstruction |
     reconstruction pasted into the visible patches. With norm_pix_loss the prediction is first mapped back to
     pixels with each original patch's own mean and std, as MAE's visualisation does.
 
@@ -304,7 +304,8 @@ def reconstruction_grid(
         max_images: Rows to draw at most.
 
     Returns:
-        (3, H_grid, W_grid) float tensor in [0, 1]; panels separated by 2 px white lines.
+        (3, H_grid, W_grid) float tensor in [0, 1]: `core.pictures.image_grid` with column titles, small images
+        upscaled (nearest) to at least 112 px.
     """
     patch_size = (patch_size, patch_size) if isinstance(patch_size, int) else tuple(patch_size)
     images, pred, mask = images[:max_images].float(), pred[:max_images].float(), mask[:max_images].float()
@@ -319,5 +320,6 @@ def reconstruction_grid(
     pixel_mask = unpatchify(mask.unsqueeze(-1).expand_as(pred), patch_size, grid_size)  # (B, C, H, W) 1 = masked
     masked = original * (1 - pixel_mask) + 0.5 * pixel_mask
     pasted = original * (1 - pixel_mask) + reconstruction * pixel_mask
-    panels = torch.stack([original, masked, reconstruction, pasted], dim=1).flatten(0, 1)  # (4B, C, H, W)
-    return torchvision.utils.make_grid(panels, nrow=4, padding=2, pad_value=1.0)
+    return image_grid(
+        [original, masked, reconstruction, pasted], ["original", "masked", "reconstruction", "pred + visible"]
+    )

@@ -1,5 +1,5 @@
 """Registry of pretraining objectives: `objective.kind` -> how to build it, what its data transform adds to each
-sample (masks and views made in the data workers) and how to picture its output."""
+sample (masks and views made in the data workers). How each is pictured is in pretrain/pictures.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from core.config import Config
@@ -17,7 +16,7 @@ from core.sections import BEiTObjective, BlockwiseMask
 from data.masking import BlockwiseMaskGenerator, RandomMaskGenerator
 from data.transforms import TwoViewCropFlip, WithMask, pretrain_transform
 from pretrain.beit import MaskedPatchPrediction
-from pretrain.mae import MAE, reconstruction_grid
+from pretrain.mae import MAE
 from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2, TokenizerCodes
 from pretrain.tokenizer import load_tokenizer
 
@@ -94,21 +93,8 @@ def tokenizer_manifest(path: str | Path) -> dict:
     return json.loads(file.read_text())
 
 
-def _picture_mae(cfg: Config, batch: dict, out: dict) -> torch.Tensor:
-    return reconstruction_grid(
-        batch["image"].float(),
-        out["pred"].float(),
-        out["mask"],
-        patch_size=cfg.model.patch_size,
-        mean=cfg.data.mean,
-        std=cfg.data.std,
-        norm_pix_loss=cfg.objective.norm_pix_loss,
-    )
-
-
 BUILDERS = {"mae": _mae_builder, "beit": _beit_builder}
 TRANSFORMS = {"mae": _mae_transform, "beit": _beit_transform}
-PICTURES = {"mae": _picture_mae}
 
 
 def objective_builder(cfg: Config) -> Callable[[], nn.Module]:
@@ -121,9 +107,3 @@ def objective_builder(cfg: Config) -> Callable[[], nn.Module]:
 def train_transform(cfg: Config):
     """The per-sample training transform of `cfg.objective.kind` (augmentation, plus masks and extra views)."""
     return TRANSFORMS[cfg.objective.kind](cfg)
-
-
-def visualize(cfg: Config, batch: dict, out: dict) -> torch.Tensor | None:
-    """(3, H, W) picture in [0, 1] of the objective's output on `batch` for TensorBoard; None when it has none."""
-    picture = PICTURES.get(cfg.objective.kind)
-    return picture(cfg, batch, out) if picture is not None else None

@@ -34,6 +34,13 @@ def quantize_color(rgb: torch.Tensor) -> torch.Tensor:
     return (bins[..., 0] * levels + bins[..., 1]) * levels + bins[..., 2]
 
 
+def class_colors(classes: torch.Tensor) -> torch.Tensor:
+    """(...) long classes of `quantize_color` -> (..., 3) float RGB in [0, 1], each channel at its bin's centre."""
+    levels = 2**COLOR_BITS
+    bins = torch.stack([classes // (levels * levels), classes // levels % levels, classes % levels], dim=-1)
+    return (bins.float() + 0.5) / levels
+
+
 class _ColorTarget(nn.Module):
     """Shared by the colour targets: undoes the dataset normalisation to get pixels back in [0, 1]."""
 

@@ -27,8 +27,9 @@ from pathlib import Path
 import safetensors.torch
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
+
+from core.pictures import image_grid
 
 MANIFEST_NAME = "mimpipe.json"
 WEIGHTS_NAME = "tokenizer.safetensors"
@@ -340,19 +341,19 @@ def load_tokenizer(path: str | Path) -> VQVAE:
 def tokenizer_grid(
     images: torch.Tensor, recon: torch.Tensor, mean: Sequence[float], std: Sequence[float], max_images: int = 8
 ) -> torch.Tensor:
-    """Picture for TensorBoard's `add_image`: originals on the top row, reconstructions below.
+    """Picture for TensorBoard's `add_image`: one row per image, the original beside its reconstruction from codes.
 
     Args:
         images: (B, 3, H, W) images normalised with `mean`/`std`.
         recon: (B, 3, H, W) reconstructions, same space.
         mean, std: Per-channel normalisation mean and std.
-        max_images: Columns to draw at most.
+        max_images: Rows to draw at most.
 
     Returns:
-        (3, H', W') float CPU tensor in [0, 1].
+        (3, H', W') float CPU tensor in [0, 1]: `core.pictures.image_grid` with titles "original" and "from codes",
+        small images upscaled (nearest) to at least 112 px.
     """
     n = min(max_images, images.shape[0])
     mean_t, std_t = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) for v in (mean, std))
-    panels = torch.cat([images[:n], recon[:n]]).detach().float().cpu()  # (2n, 3, H, W)
-    panels = (panels * std_t + mean_t).clamp(0.0, 1.0)
-    return torchvision.utils.make_grid(panels, nrow=n, padding=2, pad_value=1.0)
+    columns = [(x[:n].detach().float().cpu() * std_t + mean_t).clamp(0.0, 1.0) for x in (images, recon)]
+    return image_grid(columns, ("original", "from codes"))

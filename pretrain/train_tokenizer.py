@@ -1,5 +1,6 @@
 """The tokenizer stage (`stage: tokenizer`, run by `python -m pretrain`): train the VQ-VAE of pretrain/tokenizer.py on
-the same shards with the same engine, log reconstructions and codebook usage, export it for BEiT-style targets.
+the same shards with the same engine, log reconstructions and codebook usage (scalars, and a histogram and bar chart of
+the codes of a fixed batch), export it for BEiT-style targets.
 
     ./launch.sh recipes/quickstart_tokenizer.yaml   ->   RUN_DIR/export/{tokenizer.safetensors, mimpipe.json}
 """
@@ -15,7 +16,7 @@ import torch
 from core.config import Config
 from core.engine.distributed import all_reduce
 from core.engine.export import atomic_folder, check_replaceable
-from core.engine.loop import autocast_context, to_device
+from core.engine.loop import autocast_context
 from core.engine.stage import (
     StageRun,
     finish_stage,
@@ -26,9 +27,11 @@ from core.engine.stage import (
     train_stream,
 )
 from core.sections import VQVAEObjective
-from data.pipeline import make_eval_loader, resolve_shards
 from data.transforms import eval_transform, pretrain_transform
+from pretrain.pictures import code_usage, code_usage_picture, fixed_batch
 from pretrain.tokenizer import KIND, MANIFEST_NAME, VQVAE, WEIGHTS_NAME, tokenizer_grid
+
+USAGE_BATCH_SIZE = 64  # images of the fixed batch whose codes are counted; the first 8 are drawn
 
 
 def build_tokenizer(cfg: Config) -> VQVAE:
@@ -89,18 +92,21 @@ def train_tokenizer(run: StageRun) -> int:
     tokenizer.quantizer.reduce = all_reduce
     engine, optimizer = start_engine(run, tokenizer)
 
-    fixed_tf = eval_transform(img_size, cfg.data.mean, cfg.data.std, crop_pct=1.0)
-    fixed_loader = make_eval_loader(
-        resolve_shards(cfg.data.train)[:1], transform=fixed_tf, batch_size=8, rank=0, world_size=1, num_workers=0,
-        labels=False,
-    )  # fmt: skip
-    fixed = to_device(next(iter(fixed_loader)), dist.device, cfg.engine.precision)
+    # Pictures of one fixed batch every logging.image_every_steps: reconstructions, and code usage
+    log_images = None
+    if cfg.logging.image_every_steps:
+        fixed_tf = eval_transform(img_size, cfg.data.mean, cfg.data.std, crop_pct=1.0)
+        fixed = fixed_batch(cfg, fixed_tf, dist.device, batch_size=USAGE_BATCH_SIZE)
 
-    def log_images(step: int) -> None:
-        with torch.no_grad(), autocast_context(cfg.engine.precision, dist.device):
-            recon = engine.module.decode_codes(engine.module.encode(fixed["image"]))
-        picture = tokenizer_grid(fixed["image"].float(), recon.float(), cfg.data.mean, cfg.data.std)
-        run.logger.image("train/reconstruction", step, picture)
+        def log_images(step: int) -> None:
+            with torch.no_grad(), autocast_context(cfg.engine.precision, dist.device):
+                codes = engine.module.encode(fixed["image"])  # (B, h, w)
+                recon = engine.module.decode_codes(codes)
+            picture = tokenizer_grid(fixed["image"].float(), recon.float(), cfg.data.mean, cfg.data.std)
+            run.logger.image("train/reconstruction", step, picture)
+            counts = code_usage(codes, cfg.objective.codebook_size)
+            run.logger.histogram_counts("train/code_usage", step, counts)
+            run.logger.image("train/code_usage", step, code_usage_picture(counts))
 
     # Loop
     code = run_loop(run, engine, optimizer, batches, log_images=log_images)

@@ -70,6 +70,8 @@ def start_stage(prog: str, argv: list[str] | None) -> StageRun:
     total_steps, warmup_steps = cfg.steps(samples)
     resume = find_resume(run_dir, dist.rank, dist.world_size)
     logger = MetricsLogger(run_dir, enabled=dist.is_main, tensorboard=cfg.logging.tensorboard, total_steps=total_steps)
+    if resume is None:  # TensorBoard would keep a run's first hparams anyway; the resumed config is in config.yaml
+        logger.hparams(cfg.model_dump(mode="json"))
     state = TrainState()
     load_states(resume, {"train": state})  # the data position is needed before the engine; the RNGs come after it
     return StageRun(

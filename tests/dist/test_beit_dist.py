@@ -12,6 +12,9 @@ import pytest
 import timm
 import torch
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, IMAGES, EventAccumulator
+from tensorboard.plugins.hparams import metadata as hparams_metadata
+from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 from tests.launching import REPO, TINY_MODEL, launch, losses, read_metrics, write_recipe
 
@@ -82,6 +85,19 @@ def test_tokenizer_stage_trains_and_uses_its_codebook(tokenizer_run):
     assert manifest["kind"] == "vqvae" and manifest["vocab_size"] == 64 and manifest["grid"] == [7, 7]
     assert (run_dir / "export" / "tokenizer.safetensors").is_file()
     assert "tokenizer exported to" in output
+    events = _tensorboard(run_dir)
+    assert {"train/reconstruction", "train/code_usage"} <= set(events.Tags()["images"])
+    usage = events.Histograms("train/code_usage")[-1].histogram_value  # the codes of the fixed batch of 64 images
+    assert usage.num == 64 * 7 * 7 and len(usage.bucket) == 64
+    content = events.PluginTagToContent(hparams_metadata.PLUGIN_NAME)[hparams_metadata.SESSION_START_INFO_TAG]
+    hparams = HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["objective.kind"].string_value == "vqvae" and hparams["objective.codebook_size"].number_value == 64
+
+
+def _tensorboard(run_dir: Path) -> EventAccumulator:
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={HISTOGRAMS: 0, IMAGES: 0})
+    events.Reload()
+    return events
 
 
 @pytest.mark.parametrize("target", ["mean_color_3bit", "color_3bit_4x4", "pixels_l2", "tokenizer"])
@@ -102,6 +118,8 @@ def test_every_target_trains_through_the_engine(target, fmnist, tokenizer_run, t
     if target != "pixels_l2":
         acc = [m["train/mlm_acc"] for m in read_metrics(tmp_path / "run") if "train/mlm_acc" in m]
         assert len(acc) == 24 and sum(acc[-4:]) > sum(acc[:4])
+    pictures = _tensorboard(tmp_path / "run").Images("train/masked_patches")
+    assert [picture.step for picture in pictures] == [1, 8, 16, 24]
 
 
 def test_beit_export_loads_in_timm_and_hands_off(fmnist, tokenizer_run, tmp_path, monkeypatch):

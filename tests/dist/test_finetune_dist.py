@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.launching import TINY_MODEL, launch, read_metrics, write_recipe
 
@@ -57,6 +58,9 @@ def test_handoff_resize_and_exactly_once_eval(zero2_run, shards, tmp_path, zero_
     assert manifest["method"] == "finetune" and manifest["metrics"]["val/samples"] == 203
     config = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
     assert config["num_classes"] == 4 and config["model_args"]["img_size"] in ([20, 20], 20)
+    events = EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    assert [image.step for image in events.Images("val/confusion_matrix")] == [4]  # at the end only
 
 
 def test_best_export_survives_a_resume_on_another_world_size(zero2_run, shards, tmp_path):

@@ -13,6 +13,8 @@ import pytest
 import timm
 import torch
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.plugins.hparams import metadata as hparams_metadata
 
 from tests.launching import REPO, launch, losses, pretrain_recipe, read_metrics, write_recipe
 
@@ -56,9 +58,20 @@ def test_export_from_zero2_checkpoint_at_an_earlier_step(zero2_run, tmp_path):
 
 
 def test_resume_gives_the_same_next_losses(zero2_run, tmp_path):
-    """Restart from the step-3 checkpoint of the finished run: steps 4-6 must repeat exactly."""
+    """Restart from the step-3 checkpoint of the finished run: steps 4-6 must repeat exactly. The resumed run adds
+    its pictures to TensorBoard but not a second hparams entry."""
     run_dir, _ = zero2_run
     assert_resume_repeats(run_dir, tmp_path / "run", from_step=3, last_step=6)
+    files = sorted((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+    assert len(files) == 2  # the first run's and the resumed run's
+
+    def tags(file):
+        return [value.tag for event in EventFileLoader(str(file)).Load() for value in event.summary.value]
+
+    first, resumed = tags(files[0]), tags(files[1])
+    assert first.count(hparams_metadata.SESSION_START_INFO_TAG) == 1
+    assert hparams_metadata.SESSION_START_INFO_TAG not in resumed
+    assert first.count("train/reconstruction") == 3 and resumed.count("train/reconstruction") == 2  # 1, 3, 6; 4, 6
 
 
 def assert_resume_repeats(run_dir, resumed, *, from_step: int, last_step: int) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from core.engine.export import export_model
 from finetune.checkpoints import read_checkpoint
+from finetune.convert import STANDARD_WIDTHS
 from finetune.convert import main as convert_main
 from finetune.handoff import load_encoder, read_pooling_hint
 
@@ -294,8 +295,8 @@ def test_convert_round_trips_through_timm_local_dir(tmp_path, capsys, kind, name
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        ([], "pass --arch"),
         (["--arch", "vit_small_patch16_224"], "has embed_dim 384"),
+        (["--num-heads", "5"], "--num-heads 5 does not divide"),
         (["--arch", "resnet18"], "not a timm VisionTransformer"),
         (["--arch", "no_such_model"], "is not a timm architecture"),
     ],
@@ -306,6 +307,49 @@ def test_convert_errors_exit_2_with_a_message(tmp_path, capsys, flags, expected)
     assert convert_main([str(tmp_path / "vit.pth"), str(tmp_path / "out"), *flags]) == 2
 
     assert expected in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_convert_standard_widths_are_timms_architectures():
+    for width, (arch, num_heads) in STANDARD_WIDTHS.items():
+        with torch.device("meta"):
+            reference = timm.create_model(arch)
+        assert (reference.embed_dim, reference.blocks[0].attn.num_heads) == (width, num_heads)
+
+
+def _round_trip(source, dst, with_head=True):
+    rebuilt = timm.create_model(f"local-dir:{dst}", pretrained=True).eval()
+    x = torch.randn(2, 3, IMG, IMG)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(x), source(x), rtol=0, atol=0)
+    return json.loads((dst / "config.json").read_text())
+
+
+def test_convert_infers_num_heads_of_a_standard_width(tmp_path, capsys):
+    source = vit(embed_dim=768, num_heads=12, num_classes=3)
+    save_timm(source, tmp_path / "base.safetensors")
+
+    assert convert_main([str(tmp_path / "base.safetensors"), str(tmp_path / "out")]) == 0
+
+    config = _round_trip(source, tmp_path / "out")
+    assert config["architecture"] == "vit_base_patch16_224" and config["model_args"]["num_heads"] == 12
+    distilled = deit(embed_dim=192, num_heads=3, num_classes=3)  # a distillation token picks DeiT's class
+    torch.save({"model": state_of(distilled)}, tmp_path / "deit.pth")
+    assert convert_main([str(tmp_path / "deit.pth"), str(tmp_path / "deit")]) == 0
+    assert _round_trip(distilled, tmp_path / "deit")["architecture"] == "deit_tiny_distilled_patch16_224"
+
+
+def test_convert_of_a_non_standard_width_needs_num_heads(tmp_path, capsys):
+    source = vit(embed_dim=160, num_heads=5, num_classes=3)
+    save_timm(source, tmp_path / "odd.pth")
+
+    assert convert_main([str(tmp_path / "odd.pth"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "width 160" in err and "--num-heads" in err and "e.g. --num-heads 2" in err
+    assert not (tmp_path / "out").exists()
+
+    assert convert_main([str(tmp_path / "odd.pth"), str(tmp_path / "out"), "--num-heads", "5"]) == 0
+    config = _round_trip(source, tmp_path / "out")
+    assert config["model_args"]["embed_dim"] == 160 and config["model_args"]["num_heads"] == 5
 
 
 def test_convert_refuses_untrusted_pickle(tmp_path, capsys):

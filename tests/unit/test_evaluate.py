@@ -5,7 +5,8 @@ import torch
 
 import finetune.evaluate as evaluate_module
 from core.engine.distributed import DistInfo
-from finetune.evaluate import confusion_image, evaluate, per_class_table
+from core.pictures import abbreviate, matrix_layout
+from finetune.evaluate import ROW_TITLE, confusion_cell_text, confusion_image, evaluate, per_class_table
 
 DIST = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 DARK_BLUE = torch.tensor([8 / 255, 48 / 255, 107 / 255])
@@ -133,26 +134,51 @@ def test_per_class_table_checks_names():
         per_class_table(torch.zeros(3, 3, dtype=torch.int64), ["a", "b"])
 
 
-def test_confusion_image_of_a_perfect_classifier():
-    image = confusion_image(torch.eye(4, dtype=torch.int64) * 9, ["a", "b", "c", "d"])
-    cell = 32  # 512 // K = 128 pixels, capped at 32
-    assert image.shape == (3, 4 * cell, 4 * cell)
-    assert image.dtype == torch.float32 and image.min() >= 0 and image.max() <= 1
-    for row in range(4):
-        for column in range(4):
-            block = image[:, row * cell : (row + 1) * cell, column * cell : (column + 1) * cell]  # (3, C, C)
-            expected = DARK_BLUE if row == column else torch.ones(3)
-            assert torch.allclose(block, expected[:, None, None].expand_as(block))
+def _region(image, box):
+    left, top, right, bottom = box
+    return image[:, top:bottom, left:right]
 
 
-def test_confusion_image_fractions_empty_rows_and_max_classes():
+def test_confusion_image_writes_counts_in_colour_coded_cells_and_names_both_axes():
+    names = ["cat", "dog", "bird"]
+    confusion = torch.tensor([[7, 0, 3], [3, 7, 0], [0, 0, 0]])  # bird has no samples
+    image = confusion_image(confusion, names)
+    layout = matrix_layout(confusion_cell_text(confusion), names, names, row_title=ROW_TITLE)
+    assert image.shape[1] == layout.height and image.shape[2] >= layout.width
+    assert confusion_cell_text(confusion) == [["7", "", "3"], ["3", "7", ""], ["", "", ""]]
+    fractions = torch.tensor([[0.7, 0.0, 0.3], [0.3, 0.7, 0.0]])
+    for row in range(3):
+        for col in range(3):
+            cell = _region(image, layout.cell_box(row, col))  # (3, C, C)
+            fill = cell[:, 0, 0]
+            expected = 1 + (DARK_BLUE - 1) * fractions[row, col] if row < 2 else torch.full((3,), 0.85)
+            torch.testing.assert_close(fill, expected, atol=1 / 255, rtol=0)
+            text = (cell - fill[:, None, None]).abs().amax(dim=0) > 0.1  # (C, C) pixels of the count
+            assert text.any() == bool(confusion[row, col]), (row, col)
+            if text.any():  # centred: no ink on the cell's border
+                assert not (text[0].any() or text[-1].any() or text[:, 0].any() or text[:, -1].any())
+    # The same count on the same colour is the same picture; another count is another picture.
+    assert torch.equal(_region(image, layout.cell_box(0, 0)), _region(image, layout.cell_box(1, 1)))
+    assert torch.equal(_region(image, layout.cell_box(0, 2)), _region(image, layout.cell_box(1, 0)))
+    for box in [*map(layout.row_label_box, range(3)), *map(layout.col_label_box, range(3))]:
+        assert (_region(image, box) < 0.5).any(), box  # dark text on white
+    assert not torch.equal(_region(image, layout.row_label_box(0)), _region(image, layout.row_label_box(1)))
+    scale = _region(image, layout.scale_box())  # colour bar: 1 at the top, 0 at the bottom
+    torch.testing.assert_close(scale[:, 0, 0], DARK_BLUE, atol=1 / 255, rtol=0)
+    torch.testing.assert_close(scale[:, -1, 0], torch.ones(3), atol=1 / 255, rtol=0)
+
+
+def test_confusion_image_shortens_long_names_and_draws_at_most_max_classes():
+    assert abbreviate("a very long class name") == "a very long cla\u2026" and len(abbreviate("x" * 40)) == 16
+    assert abbreviate("short") == "short"
     confusion = torch.tensor([[1, 3, 0], [0, 0, 0], [0, 0, 2]])
-    image = confusion_image(confusion, max_classes=2)  # 3 classes, first 2 drawn
-    cell = 32  # 512 // 2 = 256, capped
-    assert image.shape == (3, 2 * cell, 2 * cell)
-    quarter = 1 + (DARK_BLUE - 1) * 0.25  # row 0: fraction 1/4 predicted as class 0
-    assert torch.allclose(image[:, 0, 0], quarter)
-    assert torch.allclose(image[:, 0, cell], 1 + (DARK_BLUE - 1) * 0.75)
-    assert torch.allclose(image[:, cell:, :], torch.full_like(image[:, cell:, :], 0.85))  # no samples of class 1
+    names = ["a very long class name", "b", "c"]
+    image = confusion_image(confusion, names, max_classes=2)  # first 2 classes drawn
+    layout = matrix_layout(confusion_cell_text(confusion[:2, :2]), names[:2], names[:2], row_title=ROW_TITLE)
+    assert (layout.rows, layout.cols) == (2, 2) and image.shape[1] == layout.height
+    quarter = 1 + (DARK_BLUE - 1) * 0.25  # row 0: 1 of its 4 samples predicted as class 0, normalised by the whole row
+    torch.testing.assert_close(_region(image, layout.cell_box(0, 0))[:, 0, 0], quarter, atol=1 / 255, rtol=0)
     many = confusion_image(torch.eye(1000, dtype=torch.int64))
-    assert many.shape == (3, 500, 500)  # first 100 classes, 5 pixels each
+    names = [str(k) for k in range(100)]
+    layout = matrix_layout(confusion_cell_text(torch.eye(100, dtype=torch.int64)), names, names, row_title=ROW_TITLE)
+    assert layout.rows == 100 and many.shape[1] == layout.height

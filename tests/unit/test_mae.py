@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from core.models import build_vit, sincos_pos_embed_2d
+from core.pictures import title_height
 from pretrain.mae import MAE, normalize_patches, patchify, reconstruction_grid, unpatchify
 
 ENCODER = dict(embed_dim=64, depth=2, num_heads=4)
@@ -170,9 +171,11 @@ def test_mask_ratio_that_keeps_nothing_is_rejected():
         MAE(tiny_encoder(), mask_ratio=0.99, **DECODER)
 
 
-def _panel(grid, row, col, size=28, pad=2):
-    top, left = row * (size + pad) + pad, col * (size + pad) + pad
-    return grid[:, top : top + size, left : left + size]
+def _panel(grid, row, col, size=28, scale=4, pad=2):
+    """Panel (row, col) of an `image_grid` with titles, sampled back to `size` px (every `scale`-th pixel)."""
+    side = size * scale
+    top, left = title_height() + pad + row * (side + pad), pad + col * (side + pad)
+    return grid[:, top : top + side : scale, left : left + side : scale]
 
 
 @pytest.mark.parametrize("norm_pix_loss", [False, True])
@@ -183,7 +186,7 @@ def test_reconstruction_grid(norm_pix_loss):
     out = mae({"image": imgs})
     kwargs = dict(patch_size=4, mean=MEAN, std=STD, norm_pix_loss=norm_pix_loss)
     grid = reconstruction_grid(imgs, out["pred"], out["mask"], max_images=2, **kwargs)
-    assert grid.shape == (3, 2 * 30 + 2, 4 * 30 + 2)
+    assert grid.shape == (3, title_height() + 2 * 114 + 2, 4 * 114 + 2)  # 28 px upscaled x4 to 112, 2 px padding
     assert grid.min() >= 0 and grid.max() <= 1
     pixel_mask = mae.unpatchify(out["mask"].unsqueeze(-1).expand(-1, -1, 48)).bool()
     for row in range(2):

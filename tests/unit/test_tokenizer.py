@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from core.pictures import title_height
 from pretrain.tokenizer import VQVAE, VectorQuantizerEMA, load_tokenizer, tokenizer_grid
 from pretrain.train_tokenizer import export_tokenizer
 
@@ -287,8 +288,12 @@ def test_tokenizer_grid_layout():
     torch.manual_seed(0)
     images, recon = torch.randn(10, 3, 8, 8), torch.randn(10, 3, 8, 8)
     grid = tokenizer_grid(images, recon, MEAN, STD, max_images=3)
-    assert grid.shape == (3, 2 * 8 + 3 * 2, 3 * 8 + 4 * 2)  # 2 rows x 3 columns, 2 px padding
+    top = title_height()
+    assert grid.shape == (3, top + 3 * 112 + 4 * 2, 2 * 112 + 3 * 2)  # 3 rows x 2 columns of 8 px x 14, 2 px padding
     assert grid.min() >= 0 and grid.max() <= 1
     mean, std = torch.tensor(MEAN).view(3, 1, 1), torch.tensor(STD).view(3, 1, 1)
-    torch.testing.assert_close(grid[:, 2:10, 2:10], (images[0] * std + mean).clamp(0, 1))  # top row: originals
-    torch.testing.assert_close(grid[:, 12:20, 12:20], (recon[1] * std + mean).clamp(0, 1))  # bottom: recons
+    row1 = top + 2 + 114  # second row
+    original = grid[:, row1 : row1 + 112 : 14, 2 : 2 + 112 : 14]  # left column, one pixel per 14 x 14 block
+    recon_panel = grid[:, row1 : row1 + 112 : 14, 116 : 116 + 112 : 14]  # right column
+    torch.testing.assert_close(original, (images[1] * std + mean).clamp(0, 1))
+    torch.testing.assert_close(recon_panel, (recon[1] * std + mean).clamp(0, 1))
