@@ -18,7 +18,8 @@ import webdataset as wds
 from PIL import Image
 
 from data import sources
-from data.pipeline import IMAGE_EXTENSIONS, dataset_size, resolve_shards
+from data.pipeline import IMAGE_EXTENSIONS
+from data.specs import dataset_size, resolve_shards
 from data.write import INDEX_FILE, read_index, write_shards
 
 

@@ -21,7 +21,8 @@ from core.engine.stage import (
     start_stage,
     train_stream,
 )
-from data.pipeline import make_eval_loader, resolve_shards
+from data.pipeline import make_eval_loader
+from data.specs import resolve_shards
 from data.transforms import eval_transform
 from pretrain.export import main as export_main
 from pretrain.export import pretrain_manifest

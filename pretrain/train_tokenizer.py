@@ -21,7 +21,8 @@ from core.engine.stage import (
     train_stream,
 )
 from core.sections import VQVAEObjective
-from data.pipeline import make_eval_loader, resolve_shards
+from data.pipeline import make_eval_loader
+from data.specs import resolve_shards
 from data.transforms import eval_transform, pretrain_transform
 from pretrain.tokenizer import VQVAE, export_tokenizer, tokenizer_grid
 
@@ -82,7 +83,7 @@ def train_tokenizer(run: StageRun) -> int:
             "method": "vqvae",
             "step": run.state.step,
             "source": run.recipe,
-            "data": cfg.data.train,
+            "data": cfg.data.model_dump(mode="json")["train"],  # a mixture as plain mappings
             "mean": list(cfg.data.mean),
             "std": list(cfg.data.std),
         }

@@ -26,7 +26,8 @@ from core.engine.setup import parallelize, resolve_attention
 from core.engine.zero_init import init_partitioned_vit, is_partitioned, partition_report
 from core.logging import MetricsLogger
 from core.models import build_vit, vit_model_args
-from data.pipeline import dataset_size, make_train_loader, resolve_shards
+from data.pipeline import make_train_loader
+from data.specs import dataset_size, train_sources
 
 EXIT_NONFINITE = 3
 """Process exit code after `engine.max_consecutive_nonfinite` non-finite losses in a row (see `run_loop`)."""
@@ -200,7 +201,7 @@ def train_stream(cfg: Config, dist: DistInfo, transform, *, skip_batches: int):
     """The endless per-rank training stream, positioned after `skip_batches` micro-batches."""
     return iter(
         make_train_loader(
-            resolve_shards(cfg.data.train),
+            train_sources(cfg.data.train),
             transform=transform,
             batch_size=cfg.batch_size_per_device(dist.world_size),
             seed=cfg.seed,
@@ -210,6 +211,7 @@ def train_stream(cfg: Config, dist: DistInfo, transform, *, skip_batches: int):
             shuffle_buffer=cfg.data.shuffle_buffer,
             resampled=cfg.data.resampled,
             skip_batches=skip_batches,
+            num_open_shards=cfg.data.num_open_shards,
         )
     )
 
