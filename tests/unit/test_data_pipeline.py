@@ -31,7 +31,9 @@ def shard_dir(tmp_path_factory) -> str:
     """8 shards of 12 synthetic 8x8 images; sample i has label i % 4."""
     out = str(tmp_path_factory.mktemp("shards"))
     source = sources.synthetic(NUM_SHARDS * SHARD_SIZE, SIZE, NUM_CLASSES, seed=0, split="train")
-    write_shards(source.samples, out, shard_size=SHARD_SIZE, split="train", classes=source.classes, source="synthetic")
+    write_shards(
+        source.samples(), out, shard_size=SHARD_SIZE, split="train", classes=source.classes, source="synthetic"
+    )
     return out
 
 
