@@ -99,3 +99,33 @@ def pretrain_recipe(shards: dict[str, Path], run_dir: Path, **sections) -> dict:
     for key, value in sections.items():
         recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
     return recipe
+
+
+def write_class_ordered(out: Path, prefix: str, num_classes: int, per_class: int = 40, shard_size: int = 50) -> Path:
+    """Shards written class by class, as another tool reading a folder tree in sorted order would write them: sample
+    i (key `{prefix}_{i:08d}`, a 4x4 grey image) has label i // per_class."""
+    from PIL import Image
+
+    from data.write import write_shards
+
+    samples = (
+        (f"{prefix}_{i:08d}", Image.new("L", (4, 4), i % 256), i // per_class, {})
+        for i in range(num_classes * per_class)
+    )
+    classes = [f"c{k}" for k in range(num_classes)]
+    write_shards(samples, str(out), shard_size=shard_size, split=prefix, classes=classes, source="class-ordered")
+    return out
+
+
+# Batches of 40 drawn i.i.d. from 10 equally likely classes have a chi-square statistic (9 degrees of freedom) of 9
+# on average. `write_class_ordered` shards of 10 classes, read 8 at a time with a one-shard buffer, average about 14
+# (the open shards advance in step, so the classes at the same position in each shard dominate), at most 52 in a
+# batch over 100 seeds (simulated); read one shard at a time, as before, they average 60 to 70.
+MAX_MEAN_CHI2, MAX_BATCH_CHI2 = 20.0, 60.0
+
+
+def chi_square(labels: list[int], num_classes: int) -> float:
+    """Pearson's statistic of the class counts of `labels` against a uniform distribution."""
+    counts = [labels.count(k) for k in range(num_classes)]
+    expected = len(labels) / num_classes
+    return sum((c - expected) ** 2 / expected for c in counts)
