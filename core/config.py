@@ -112,8 +112,9 @@ class DataConfig(Section):
     """Samples per optimizer step over all ranks and accumulation micro-steps."""
     num_workers: int = Field(2, ge=0)
     shuffle_buffer: int | None = Field(None, ge=0)
-    """Samples (still encoded) each data worker holds to shuffle; 0 turns it off. Default: the mean samples per
-    training shard from index.json (one shard's worth), at most 10,000; 1,000 when no index lists the shards."""
+    """Samples (still encoded) each data worker holds to shuffle; 0 turns it off. Default: what `num_open_shards`
+    shards hold together (counts from index.json), so that it mixes them whole, but at most 256 MiB of encoded
+    samples (their size on disk) per worker; 1,000 when no index.json lists the shards."""
     num_open_shards: int = Field(8, gt=0)
     """Shards each data worker reads at once (per mixture source), drawing each next sample from one of them at
     random, so that shards written in class order still give mixed batches. An open shard holds no samples, but

@@ -83,19 +83,33 @@ def interleave_shards(
 ) -> Iterator[Sample]:
     """Reads up to `num_open` shards at once; each next sample comes from one of them, drawn uniformly.
 
-    An exhausted shard is replaced by the next of `urls`; the stream ends when `urls` and every open shard are.
+    An exhausted shard is replaced by the next of `urls` that is not open already (an endless `urls` repeats
+    shards, and the same shard read twice at once would repeat its samples close together); the stream ends
+    when `urls` and every open shard are.
 
     Args:
         urls: The shards, in the order they are opened.
         read: Opens one shard and yields its raw samples.
         num_open: How many shards are read at once.
         rng: Draws the shard of every next sample.
-        num_distinct: How many different shards an endless `urls` repeats: once that many have been found empty
-            with no sample in between, raise instead of looping forever; None for a finite `urls`.
+        num_distinct: How many different shards an endless `urls` repeats (at most that many are open at once;
+            once all of them have been found empty with no sample in between, raise instead of looping forever);
+            None for a finite `urls`.
     """
-    open_shards = [_OpenShard(url, read(url)) for url in itertools.islice(urls, num_open)]
+    num_open = num_open if num_distinct is None else min(num_open, num_distinct)
+    open_shards: list[_OpenShard] = []
     found_empty: set[str] = set()  # shards that held no sample, since the last sample
-    while open_shards:
+    exhausted = False
+    while True:
+        while not exhausted and len(open_shards) < num_open:
+            reading = {shard.url for shard in open_shards}
+            url = next((u for u in urls if u not in reading), None)
+            if url is None:
+                exhausted = True
+            else:
+                open_shards.append(_OpenShard(url, read(url)))
+        if not open_shards:
+            return
         i = rng.randrange(len(open_shards))
         shard = open_shards[i]
         sample = next(shard.samples, None)
@@ -104,17 +118,13 @@ def interleave_shards(
             found_empty.clear()
             yield sample
             continue
+        open_shards.pop(i)
         if shard.num_read == 0:
             found_empty.add(shard.url)
             if num_distinct is not None and len(found_empty) >= num_distinct:
                 raise ValueError(
                     f"none of the {num_distinct} shards {describe_shards(sorted(found_empty))} holds a sample"
                 )
-        url = next(urls, None)
-        if url is None:
-            open_shards.pop(i)
-        else:
-            open_shards[i] = _OpenShard(url, read(url))
 
 
 class _OpenShard:

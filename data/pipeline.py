@@ -27,6 +27,7 @@ import io
 import itertools
 import logging
 import math
+import os
 import random
 import re
 import subprocess
@@ -50,8 +51,9 @@ _PER_SAMPLE_FIELDS = ("label", "key", "num_corrupt")
 _CORRUPT_IMAGE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 # Purpose tags mixed into seeds so the RNGs drawn from one user seed are independent of each other.
 _SEED_ORDER, _SEED_AUGMENT, _SEED_LOADER = range(3)
-# Without an index.json to size it from, the shuffle buffer holds this many samples; with one, never more than the cap.
-_SHUFFLE_BUFFER_FALLBACK, _SHUFFLE_BUFFER_CAP = 1000, 10_000
+# The default shuffle buffer holds at most this many bytes of encoded samples; without an index.json to size it
+# from, this many samples.
+_SHUFFLE_BUFFER_BYTES, _SHUFFLE_BUFFER_FALLBACK = 256 * 2**20, 1000
 
 
 def make_train_loader(
@@ -81,7 +83,8 @@ def make_train_loader(
         world_size: Number of ranks.
         num_workers: DataLoader workers; 0 runs the stream in this process.
         shuffle_buffer: Samples (still encoded) held by each worker's shuffle buffer; 0 disables shuffling. None:
-            one shard's worth (mean samples per shard from index.json), at most 10,000; 1,000 without an index.
+            what `num_open_shards` shards hold together (from index.json), at most 256 MiB of them (their size on
+            disk); 1,000 without an index.
         resampled: Each (rank, worker) walks through the shards in its own random order, pass after pass, instead
             of splitting each epoch's shard permutation over all streams (see data/order.py).
         skip_batches: Number of leading batches to skip without decoding them (exact resume).
@@ -98,7 +101,7 @@ def make_train_loader(
         name = f"mixture source {i}, " if len(sources) > 1 else ""
         _check_source(source, name, resampled=resampled, world_size=world_size, num_workers=num_workers)
     if shuffle_buffer is None:
-        shuffle_buffer = _default_shuffle_buffer(all_shards)
+        shuffle_buffer = _default_shuffle_buffer(all_shards, num_open_shards)
     if shuffle_buffer < 0 or skip_batches < 0 or num_open_shards < 1:
         raise ValueError(
             "need shuffle_buffer >= 0, skip_batches >= 0, num_open_shards >= 1; "
@@ -365,12 +368,18 @@ def _check_source(source: WeightedShards, name: str, *, resampled: bool, world_s
         )
 
 
-def _default_shuffle_buffer(shards: list[str]) -> int:
-    """One shard's worth of samples (their mean count from index.json), capped; the fallback without an index."""
-    size = dataset_size(shards)
-    if size is None:
+def _default_shuffle_buffer(shards: list[str], num_open_shards: int) -> int:
+    """The samples the open shards hold together, so that the buffer mixes them whole, within a memory budget.
+
+    Their count comes from index.json (mean samples per shard); their size from the shard files, tar headers
+    included, so the buffer's memory stays below `_SHUFFLE_BUFFER_BYTES`. Without an index: a fixed count.
+    """
+    num_samples = dataset_size(shards)
+    if num_samples is None:
         return _SHUFFLE_BUFFER_FALLBACK
-    return max(1, min(_SHUFFLE_BUFFER_CAP, round(size / len(shards))))
+    open_samples = min(num_open_shards, len(shards)) * num_samples / len(shards)
+    bytes_per_sample = sum(os.path.getsize(s) for s in shards) / max(num_samples, 1)
+    return max(1, min(round(open_samples), int(_SHUFFLE_BUFFER_BYTES / max(bytes_per_sample, 1))))
 
 
 def _worker_position() -> tuple[int, int]:

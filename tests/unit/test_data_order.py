@@ -2,7 +2,7 @@
 sources (proportions, determinism, exact resume, the `data.train` schema)."""
 
 import itertools
-import json
+import os
 import random
 import re
 import shutil
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from core.config import ConfigError, load_config
+from data import pipeline
 from data.order import interleave_shards
 from data.pipeline import make_train_loader
 from data.specs import WeightedShards, dataset_classes, dataset_size, resolve_shards, train_sources
@@ -55,17 +56,15 @@ def test_class_ordered_shards_give_batches_close_to_uniform_and_resume_exactly(o
     assert all(torch.equal(a["image"], b["image"]) for a, b in zip(resumed, fresh[5:], strict=True))
 
 
-def test_default_shuffle_buffer_is_one_shard_capped_or_a_fallback(ordered, tmp_path):
-    assert _loader(ordered).dataset.shuffle_buffer == SHARD_SIZE
+def test_default_shuffle_buffer_holds_the_open_shards_within_a_memory_budget(ordered, tmp_path, monkeypatch):
+    assert _loader(ordered).dataset.shuffle_buffer == 8 * SHARD_SIZE  # 8 shards open: all of them
+    assert _loader(ordered, num_open_shards=3).dataset.shuffle_buffer == 3 * SHARD_SIZE
     assert _loader(ordered, shuffle_buffer=7).dataset.shuffle_buffer == 7
-    lone = tmp_path / "lone.tar"
-    shutil.copy(ordered[0], lone)
-    assert _loader([str(lone)]).dataset.shuffle_buffer == 1000  # no index.json beside it
-    big = tmp_path / "big"
-    big.mkdir()
-    shutil.copy(ordered[0], big / "b-000000.tar")
-    (big / "index.json").write_text(json.dumps({"shards": [{"name": "b-000000.tar", "num_samples": 50_000}]}))
-    assert _loader(resolve_shards(str(big))).dataset.shuffle_buffer == 10_000
+    bytes_per_sample = sum(os.path.getsize(s) for s in ordered) / (8 * SHARD_SIZE)  # tar headers included
+    monkeypatch.setattr(pipeline, "_SHUFFLE_BUFFER_BYTES", 60 * bytes_per_sample)
+    assert _loader(ordered).dataset.shuffle_buffer == 60
+    shutil.copy(ordered[0], tmp_path / "lone.tar")
+    assert _loader([str(tmp_path / "lone.tar")]).dataset.shuffle_buffer == 1000  # no index.json beside it
 
 
 def test_interleave_reads_every_sample_once_in_shard_order_with_few_open():
