@@ -182,3 +182,17 @@ def test_plain_specs_keep_their_meaning_and_mixtures_round_trip():
     mixture = "data.train=[{shards: a}, {shards: b, weight: 0.5}]"
     epochs = load_config(None, [mixture, "data.samples_per_epoch=1000", "schedule.steps=null", "schedule.epochs=2"])
     assert epochs.steps(epochs.data.samples_per_epoch) == (8, 0)  # 2000 samples at 256 per step, rounded up
+
+
+def test_launch_plan_gives_each_mixture_source_its_share_and_passes(two_sources):
+    from core.engine.stage import mixture_plan
+
+    dirs = [s[0].rsplit("/", 1)[0] for s in two_sources]
+    cfg = load_config(None, [f"data.train=[{{shards: {dirs[0]}}}, {{shards: {two_sources[1]}, weight: 0.5}}]"])
+    lines = mixture_plan(cfg.data.train, num_samples=1200).splitlines()
+    assert (
+        lines[0]
+        == f"[mimpipe] data.train[0] {dirs[0]}: weight 1, 66.7% of the samples, ~2.00 passes over its 400 samples"
+    )
+    assert lines[1].startswith(f"[mimpipe] data.train[1] [{two_sources[1][0]} ... {two_sources[1][-1]}] (4 shards)")
+    assert lines[1].endswith("weight 0.5, 33.3% of the samples, ~2.00 passes over its 200 samples")
