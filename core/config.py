@@ -123,8 +123,9 @@ class DataConfig(Section):
     """Each data worker walks through the shards in its own random order, pass after pass (endless, streams may
     overlap); false: every epoch's shard permutation is split over all ranks and workers, which never overlap."""
     samples_per_epoch: int | None = Field(None, gt=0)
-    """Converts epochs to steps; default: sample count in the training shards' index.json (required for a
-    mixture, e.g. the samples of the main source, so that one epoch means what it did without the others)."""
+    """Converts epochs to steps; default: sample count in the training shards' index.json. A mixture has none, so a
+    schedule in epochs needs it set (e.g. to the main source's sample count, for epochs of the size they had
+    without the other sources)."""
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     crop_scale: tuple[float, float] = (0.2, 1.0)

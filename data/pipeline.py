@@ -100,13 +100,13 @@ def make_train_loader(
     for i, source in enumerate(sources):
         name = f"mixture source {i}, " if len(sources) > 1 else ""
         _check_source(source, name, resampled=resampled, world_size=world_size, num_workers=num_workers)
-    if shuffle_buffer is None:
-        shuffle_buffer = _default_shuffle_buffer(all_shards, num_open_shards)
-    if shuffle_buffer < 0 or skip_batches < 0 or num_open_shards < 1:
+    if (shuffle_buffer is not None and shuffle_buffer < 0) or skip_batches < 0 or num_open_shards < 1:
         raise ValueError(
             "need shuffle_buffer >= 0, skip_batches >= 0, num_open_shards >= 1; "
             f"got {shuffle_buffer}, {skip_batches}, {num_open_shards}"
         )
+    if shuffle_buffer is None:
+        shuffle_buffer = _default_shuffle_buffer(all_shards, num_open_shards)
     stream = _ShardStream(
         all_shards,
         sources=sources,
