@@ -1,14 +1,14 @@
 """The order in which raw training samples reach one stream (one DataLoader worker of one rank).
 
-    source 0: its shards, several open at once; each next sample from one of them at random --+
-    source 1: ...                                                                               +-> source drawn by
-    ...                                                                                         |   weight per sample
-    source M-1: ...                                                                            --+   -> shuffle buffer
+    each source: `num_open` of its shards read at once, each next sample from one of them drawn uniformly
+    -> the stream: each next sample from a source drawn by weight (one source: no draw) -> shuffle buffer
 
 Why several shards at once: a shuffle buffer over one shard at a time cannot undo an order that spans shards.
-Shards written class by class (an ImageNet-style folder tree, by another tool) hold a few classes each, so
-batches drawn from one shard's buffer hold those few classes. Reading `num_open` shards at once and drawing every
-next sample from one of them mixes the classes of all of them before the buffer mixes what is left.
+Shards written class by class (by another tool, from a folder tree) hold a few classes each, so batches drawn
+from one shard's buffer hold those few classes. Drawing every next sample from one of `num_open` open shards
+mixes the classes of all of them, and a buffer that holds what they hold together (data/pipeline.py's default,
+within its memory budget) mixes them whole. A stream cannot mix more than it holds: many class-ordered shards
+should be rewritten (`python -m data write` shuffles).
 
 An open shard holds no samples: its tar stream is read one sample at a time. What it costs is a file handle, or a
 connection (a `curl` process for http shards). Samples wait, still encoded, only in the shuffle buffer.
