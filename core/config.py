@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
 
 from core.sections import (
     OBJECTIVES_BY_STAGE,
@@ -76,9 +76,33 @@ class ModelConfig(Section):
         return self
 
 
+class TrainSource(Section):
+    """One source of a training mixture (see `DataConfig.train`)."""
+
+    shards: str | list[str]
+    """Its shards, in any form a plain `data.train` takes (directory with index.json, brace pattern, glob, list)."""
+    weight: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    """Relative sampling weight: each next sample comes from this source with probability weight / sum of weights."""
+
+
+def _train_kind(value: Any) -> str:
+    """`mixture` for a list of sources (mappings), `shards` for a plain shard spec."""
+    is_list = isinstance(value, list | tuple)
+    return "mixture" if is_list and any(isinstance(v, dict | TrainSource) for v in value) else "shards"
+
+
+TrainSpec = Annotated[
+    Annotated[str | list[str], Tag("shards")] | Annotated[list[TrainSource], Tag("mixture")],
+    Discriminator(_train_kind),
+]
+
+
 class DataConfig(Section):
-    train: str | list[str] = ""
-    """Training shards: a directory with index.json, a brace pattern, or a list of paths/URLs."""
+    train: TrainSpec = ""
+    """Training shards: a directory with index.json, a brace pattern, a glob, or a list of paths/URLs. Or a mixture:
+    a list of sources `{shards: SPEC, weight: W}`; every data worker draws each next sample from source i with
+    probability W_i / sum(W), each source being its own stream of interleaved shards (README "Mixtures"). A mixture
+    has no epoch of its own: a schedule in epochs needs `data.samples_per_epoch`."""
     val: str | list[str] | None = None
     """Held-out shards for evaluation (fine-tuning)."""
     label_field: str | None = None
@@ -87,17 +111,32 @@ class DataConfig(Section):
     global_batch_size: int = Field(256, gt=0)
     """Samples per optimizer step over all ranks and accumulation micro-steps."""
     num_workers: int = Field(2, ge=0)
-    shuffle_buffer: int = Field(1000, ge=0)
+    shuffle_buffer: int | None = Field(None, ge=0)
+    """Samples (still encoded) each data worker holds to shuffle; 0 turns it off. Default: what `num_open_shards`
+    shards hold together (counts from index.json), so that it mixes them whole, but at most 256 MiB of encoded
+    samples (their size on disk) per worker; 1,000 when no index.json lists the shards."""
+    num_open_shards: int = Field(8, gt=0)
+    """Shards each data worker reads at once (per mixture source), drawing each next sample from one of them at
+    random, so that shards written in class order still give mixed batches. An open shard holds no samples, but
+    costs a file handle or, for http shards, a connection (a curl process): lower it if those run short."""
     resampled: bool = True
-    """Draw shards with replacement (endless stream, step-based training)."""
+    """Each data worker walks through the shards in its own random order, pass after pass (endless, streams may
+    overlap); false: every epoch's shard permutation is split over all ranks and workers, which never overlap."""
     samples_per_epoch: int | None = Field(None, gt=0)
-    """Converts epochs to steps; default: sample count in the training shards' index.json."""
+    """Converts epochs to steps; default: sample count in the training shards' index.json. A mixture has none, so a
+    schedule in epochs needs it set (e.g. to the main source's sample count, for epochs of the size they had
+    without the other sources)."""
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     crop_scale: tuple[float, float] = (0.2, 1.0)
     """RandomResizedCrop area range (MAE pretraining: 0.2-1.0)."""
     eval_crop_pct: float = Field(0.875, gt=0.0, le=1.0)
     eval_batch_size_per_device: int = Field(256, gt=0)
+
+    @property
+    def is_mixture(self) -> bool:
+        """Whether `train` is a mixture of weighted sources."""
+        return isinstance(self.train, list) and any(isinstance(s, TrainSource) for s in self.train)
 
 
 class OptimConfig(Section):
@@ -216,6 +255,12 @@ class Config(Section):
             budget = self.objective.mask.budget(num_patches)
             if not 0 < budget < num_patches:
                 raise ValueError(f"objective.mask masks {budget} of {num_patches} patches; need 1 to {num_patches - 1}")
+        in_epochs = self.schedule.epochs is not None or self.schedule.warmup_epochs is not None
+        if in_epochs and self.data.is_mixture and self.data.samples_per_epoch is None:
+            raise ValueError(
+                "a schedule in epochs with a mixture in data.train needs data.samples_per_epoch (a mixture has no "
+                "epoch of its own; e.g. the sample count of its main source)"
+            )
         if self.data.global_batch_size % self.engine.grad_accum_steps:
             raise ValueError(
                 f"data.global_batch_size {self.data.global_batch_size} is not divisible by "
@@ -299,16 +344,39 @@ def _unwrap(annotation: Any) -> type:
     return annotation if isinstance(annotation, type) else object
 
 
+def _union_members(annotation: Any) -> dict[str, type[BaseModel] | None]:
+    """A discriminated union's members by the tag pydantic puts into error locations (a `Tag`, else the member's
+    `kind`), each as the section it holds (a `list[Section]` member: its items'; None for plain values). Empty
+    when `annotation` is not such a union."""
+    members: dict[str, type[BaseModel] | None] = {}
+    for arg in typing.get_args(annotation):
+        tag = None
+        if typing.get_origin(arg) is Annotated:
+            arg, *metadata = typing.get_args(arg)
+            tag = next((m.tag for m in metadata if isinstance(m, Tag)), None)
+        if typing.get_origin(arg) is list:
+            arg = typing.get_args(arg)[0]
+        model = _unwrap(arg)
+        model = model if issubclass(model, BaseModel) else None
+        if tag is None and model is not None and "kind" in model.model_fields:
+            tag = model.model_fields["kind"].default
+        if tag is not None:
+            members[tag] = model
+    return members
+
+
 def _walk(loc: tuple) -> tuple[list[str], type[BaseModel] | None]:
-    """An error location as the user writes it (discriminated-union tags such as `mae` dropped), and the section
-    model holding its last key (None when that is not a section, e.g. inside a list)."""
+    """An error location as the user writes it (discriminated-union tags such as `mae` dropped, list items as
+    `train[1]`), and the section model holding its last key (None when that is not a section)."""
     model: type[BaseModel] | None = Config
-    members: list[type[BaseModel]] = []
+    members: dict[str, type[BaseModel] | None] = {}
     keys: list[str] = []
     for i, part in enumerate(loc):
-        if members:  # pydantic puts the chosen `kind` of a discriminated union into the location
-            model = next((m for m in members if m.model_fields["kind"].default == part), None)
-            members = []
+        if members:  # pydantic puts the chosen member's tag into the location
+            model, members = members.get(part), {}
+            continue
+        if isinstance(part, int) and keys:
+            keys[-1] += f"[{part}]"
             continue
         keys.append(str(part))
         field = model.model_fields.get(part) if model is not None and i < len(loc) - 1 else None
@@ -316,7 +384,7 @@ def _walk(loc: tuple) -> tuple[list[str], type[BaseModel] | None]:
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             model = annotation
         else:
-            members = [a for a in map(_unwrap, typing.get_args(annotation)) if issubclass(a, BaseModel)]
+            members = _union_members(annotation)
             model = None if i < len(loc) - 1 and not members else model
     return keys, model
 

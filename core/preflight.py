@@ -25,7 +25,7 @@ import webdataset as wds
 
 from core.config import Config, ConfigError
 from data.decode import IMAGE_FIELDS, LabelError, image_field, read_label
-from data.pipeline import dataset_size, resolve_shards
+from data.specs import dataset_size, describe_shards, is_mixture, resolve_shards
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,10 @@ def preflight(cfg: Config, stage_module: str) -> Findings:
 def shard_specs(cfg: Config) -> list[tuple[str, str | list[str]]]:
     """(recipe key, shard spec) of every data split the stage reads: `data.train`, and `data.val` for fine-tuning
     (the only stage that evaluates). The one place that knows where splits live in the recipe."""
-    specs = [("data.train", cfg.data.train)]
+    if cfg.data.is_mixture:
+        specs = [(f"data.train[{i}].shards", source.shards) for i, source in enumerate(cfg.data.train)]
+    else:
+        specs = [("data.train", cfg.data.train)]
     if cfg.stage == "finetune" and cfg.data.val:
         specs.append(("data.val", cfg.data.val))
     return specs
@@ -170,7 +173,9 @@ def check_run_dir(run_dir: str, findings: Findings) -> None:
 
 
 def describe_spec(spec: str | list[str]) -> str:
-    """A shard spec as it appears in a message: the string, or the first and last of a list."""
+    """A shard spec as it appears in a message: the string, the first and last of a list, or a mixture's sources."""
     if isinstance(spec, str):
         return spec
-    return ", ".join(spec) if len(spec) <= 2 else f"[{spec[0]} ... {spec[-1]}] ({len(spec)} shards)"
+    if is_mixture(spec):
+        return "; ".join(describe_spec(source.shards) for source in spec)
+    return describe_shards(spec)

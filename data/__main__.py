@@ -2,6 +2,8 @@
 
 python -m data write --source fashion-mnist --split test --out /data/fm/test --shard-size 2000
 python -m data write --source imagefolder --path /data/imagenet/train --out /data/in1k/train --shard-size 5000
+Samples are written in a seeded random order (--shuffle-seed, default 0; recorded in index.json), so that every
+shard holds every class even when the source lists its samples class by class; --no-shuffle keeps the source order.
 python -m data write --source synthetic --num-samples 512 --image-size 32 --out /tmp/syn --shard-size 128
 python -m data inspect /data/fm/test          (a directory, a brace pattern or a glob)
 python -m data index '/data/laion/{00000..00127}.tar' [--label-field label]   (shards other tools wrote)
@@ -21,7 +23,7 @@ from PIL import Image
 from data import sources
 from data.decode import CORRUPT_IMAGE_ERRORS, LabelError, decode_rgb, image_field, read_label
 from data.index import index_shards, local_shards, shard_samples
-from data.pipeline import dataset_size
+from data.specs import dataset_size
 from data.write import INDEX_FILE, read_index, write_shards
 
 
@@ -46,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     write.add_argument("--shard-size", type=int, required=True, help="samples per shard")
     write.add_argument("--split", default="train", help="split name: shard prefix and key prefix")
     write.add_argument("--path", help="fashion-mnist IDX directory or imagefolder root")
-    write.add_argument("--limit", type=int, help="write only the first N samples")
+    write.add_argument("--limit", type=int, help="write only the first N samples of the order (a random subset)")
+    write.add_argument("--shuffle-seed", type=int, default=0, help="seed of the order the samples are written in")
+    write.add_argument("--no-shuffle", action="store_true", help="write the samples in the source's own order")
     write.add_argument("--num-samples", type=int, default=1000, help="synthetic: number of images")
     write.add_argument("--image-size", type=int, default=32, help="synthetic: height and width")
     write.add_argument("--num-classes", type=int, default=10, help="synthetic: number of classes")
@@ -65,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _write(args: argparse.Namespace) -> None:
     """Builds the chosen source and writes it; prints a one-line summary."""
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     start = time.perf_counter()
     if args.source == "fashion-mnist":
         source = sources.fashion_mnist(args.path, args.split)
@@ -74,9 +80,16 @@ def _write(args: argparse.Namespace) -> None:
         source = sources.image_folder(args.path, args.split)
     else:
         source = sources.synthetic(args.num_samples, args.image_size, args.num_classes, args.seed, args.split)
-    samples = itertools.islice(source.samples, args.limit) if args.limit is not None else source.samples
+    shuffle_seed = None if args.no_shuffle else args.shuffle_seed
+    order = range(source.num_samples) if args.no_shuffle else sources.shuffled_order(source.num_samples, shuffle_seed)
     index = write_shards(
-        samples, args.out, shard_size=args.shard_size, split=args.split, classes=source.classes, source=args.source
+        source.samples(order[: args.limit]),
+        args.out,
+        shard_size=args.shard_size,
+        split=args.split,
+        classes=source.classes,
+        source=args.source,
+        shuffle_seed=shuffle_seed,
     )
     seconds = time.perf_counter() - start
     print(f"wrote {index['num_samples']} samples in {len(index['shards'])} shards to {args.out} in {seconds:.1f} s")
@@ -116,7 +129,8 @@ def inspect_shards(spec: str, num_show: int = 4, *, label_field: str | None = No
         f"samples: {has_image[True]} (index.json: {dataset_size(spec) if index else None})"
         + (f"; without an image: {has_image[False]} (the loaders skip them)" if has_image[False] else ""),
         f"classes ({len(classes)}): {', '.join(classes)}",
-        f"image_size: {index.get('image_size')}  source: {index.get('source')}  split: {index.get('split')}",
+        f"image_size: {index.get('image_size')}  source: {index.get('source')}  split: {index.get('split')}  "
+        f"shuffle_seed: {index.get('shuffle_seed')}",
     ]
     for sample in itertools.islice(wds.tarfile_samples([{"url": shards[0]}]), num_show):
         lines.append(f"  {sample['__key__']}: {_describe_sample(sample, classes, label_field)}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from data.decode import image_field, read_label
-from data.pipeline import resolve_shards
+from data.specs import resolve_shards
 from data.write import INDEX_FILE
 
 # As webdataset reads a tar: metadata members `__name__` are skipped, a member `dir/key.ext.more` is field

@@ -1,12 +1,14 @@
 """Streams WebDataset shards into batches for training (endless, resumable) and evaluation (one pass).
 
 Each stream runs inside one DataLoader worker (or in-process when num_workers=0):
-    shard urls -> tar samples -> shuffle buffer -> skip (resume) -> decode + transform -> batch
-Batches are built in the worker and passed through by DataLoader(batch_size=None).
+    shards, several open at once (per mixture source) -> source drawn by weight -> shuffle buffer
+        -> skip (resume) -> decode + transform -> batch
+Batches are built in the worker and passed through by DataLoader(batch_size=None). data/order.py says in which
+order the raw samples come.
 
 Distributed layout: a stream's global id is g = rank * W + worker with W = max(num_workers, 1), and there
 are G = world_size * W streams. Without resampling, stream g reads shards[g::G] of the epoch's shard
-permutation, which every rank computes from (seed, epoch) alone, so the streams never overlap.
+permutation (of each source), which every rank computes from the seed alone, so the streams never overlap.
 
 Determinism: every random choice comes from a generator seeded with a purpose tag plus (seed, rank,
 worker, ...), and each sample's augmentation runs under RNGs seeded from its position in its stream.
@@ -26,9 +28,8 @@ Shapes: B batch size, H/W image height/width after the transform.
 
 import contextlib
 import functools
-import glob
-import itertools
 import logging
+import math
 import os
 import random
 import re
@@ -44,7 +45,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.gopen import gopen_schemes
 
 from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS, decode_rgb, image_field, read_label
-from data.write import INDEX_FILE, read_index
+from data.order import train_order
+from data.specs import WeightedShards, dataset_size, describe_shards
 
 log = logging.getLogger(__name__)
 
@@ -53,73 +55,14 @@ NO_LABEL = -1
 _PER_SAMPLE_FIELDS = ("label", "key", "num_corrupt")
 _IMAGE_TYPES = ", ".join(IMAGE_FIELDS)
 # Purpose tags mixed into seeds so the RNGs drawn from one user seed are independent of each other.
-_SEED_SHARD_ORDER, _SEED_SHARD_DRAW, _SEED_SHUFFLE, _SEED_AUGMENT, _SEED_LOADER = range(5)
-
-
-def resolve_shards(spec: str | list[str]) -> list[str]:
-    """Turns a shard spec into the list of shard paths or URLs.
-
-    Args:
-        spec: A directory with an `index.json`; a brace pattern such as `dir/train-{000000..000127}.tar`;
-            a glob such as `dir/train-*.tar`; a single path; or a list of paths/URLs.
-
-    Returns:
-        The shards, in index / brace / sorted-glob / list order.
-
-    Raises:
-        ValueError: If a local shard does not exist or a pattern matches nothing.
-    """
-    if isinstance(spec, list | tuple):
-        shards = [str(s) for s in spec]
-    elif os.path.isdir(spec):
-        if not os.path.isfile(os.path.join(spec, INDEX_FILE)):
-            raise ValueError(
-                f"shard directory {spec} has no {INDEX_FILE}: write one with `python -m data index {spec}`, or give "
-                "a brace pattern or glob of its shards"
-            )
-        shards = [os.path.join(spec, s["name"]) for s in read_index(spec)["shards"]]
-    elif any(c in spec for c in "*?["):
-        shards = sorted(glob.glob(spec))
-    else:
-        shards = wds.shardlists.expand_urls(spec)
-    missing = [s for s in shards if not _is_url(s) and not os.path.isfile(s)]
-    if not shards or (missing and len(missing) == len(shards) and shards != [spec]):
-        raise ValueError(f"shard spec {spec} matches no files")
-    if missing:
-        raise ValueError(f"shard {missing[0]} (from shard spec {spec}) does not exist")
-    return shards
-
-
-def dataset_size(spec: str | list[str]) -> int | None:
-    """Total number of samples in the shards of `spec`, from the `index.json` beside them.
-
-    Returns:
-        The sum of the shards' `num_samples`, or None when some shard is not listed in an index.
-    """
-    shards = resolve_shards(spec)
-    if isinstance(spec, str) and os.path.isdir(spec):  # its index lists these shards, which may lie in other folders
-        return read_index(spec)["num_samples"]
-    counts: dict[str, int] = {}
-    for directory in {os.path.dirname(s) for s in shards}:
-        if os.path.isfile(os.path.join(directory, INDEX_FILE)):
-            for entry in read_index(directory)["shards"]:
-                counts[os.path.join(directory, entry["name"])] = entry["num_samples"]
-    if not all(s in counts for s in shards):
-        return None
-    return sum(counts[s] for s in shards)
-
-
-def dataset_classes(spec: str | list[str]) -> list[str]:
-    """Class names from the `index.json` of `spec`'s folder, else beside its first shard ([] when there is none)."""
-    is_folder = isinstance(spec, str) and os.path.isdir(spec)
-    directory = spec if is_folder else os.path.dirname(resolve_shards(spec)[0])
-    if not os.path.isfile(os.path.join(directory, INDEX_FILE)):
-        return []
-    return list(read_index(directory).get("classes") or [])
+_SEED_ORDER, _SEED_AUGMENT, _SEED_LOADER = range(3)
+# The default shuffle buffer holds at most this many bytes of encoded samples; without an index.json to size it
+# from, this many samples.
+_SHUFFLE_BUFFER_BYTES, _SHUFFLE_BUFFER_FALLBACK = 256 * 2**20, 1000
 
 
 def make_train_loader(
-    shards: list[str],
+    shards: list[str] | list[WeightedShards],
     *,
     transform: Callable[[Image.Image], Any],
     batch_size: int,
@@ -127,16 +70,18 @@ def make_train_loader(
     rank: int,
     world_size: int,
     num_workers: int,
-    shuffle_buffer: int,
+    shuffle_buffer: int | None = None,
     resampled: bool = True,
     skip_batches: int = 0,
     labels: bool = True,
     label_field: str | None = None,
+    num_open_shards: int = 8,
 ) -> DataLoader:
     """An endless, deterministic stream of training batches for one rank.
 
     Args:
-        shards: Shard paths or URLs (see `resolve_shards`).
+        shards: Shard paths or URLs (see `resolve_shards`), or the weighted sources of a mixture (see
+            `train_sources`): each next sample comes from source i with probability weight_i / sum of weights.
         transform: Maps an RGB PIL image to a (3, H, W) tensor, or to a dict of tensors that includes
             "image" (extra entries, e.g. per-sample masks, are stacked into the batch as well).
         batch_size: Samples per batch (per device).
@@ -144,31 +89,40 @@ def make_train_loader(
         rank: This process's rank.
         world_size: Number of ranks.
         num_workers: DataLoader workers; 0 runs the stream in this process.
-        shuffle_buffer: Samples (still encoded) held by each worker's shuffle buffer; 0 disables shuffling.
-        resampled: Draw shards with replacement per (rank, worker) instead of splitting each epoch's
-            shard permutation over all streams.
+        shuffle_buffer: Samples (still encoded) held by each worker's shuffle buffer; 0 disables shuffling. None:
+            what `num_open_shards` shards hold together (from index.json), at most 256 MiB of them (their size on
+            disk); 1,000 without an index.
+        resampled: Each (rank, worker) walks through the shards in its own random order, pass after pass, instead
+            of splitting each epoch's shard permutation over all streams (see data/order.py).
         skip_batches: Number of leading batches to skip without decoding them (exact resume).
         labels: Read each sample's label; a sample without one raises `LabelError`. False (pretraining) reads
             none and gives every sample the label -1 (`NO_LABEL`).
         label_field: Where labels are read from: None reads `.cls`, a name reads that integer field of the
             sample's `.json` (`data.label_field`).
+        num_open_shards: Shards each worker reads at once per source, interleaving their samples at random.
 
     Returns:
         A DataLoader of batch dicts: "image" (B, 3, H, W) float32, "label" (B,) int64, "key" list of B
         str, "num_corrupt" int64 scalar (samples without a usable image the producing worker skipped since its
         last batch).
     """
-    _check_loader_args(shards, batch_size, seed, rank, world_size, num_workers)
-    num_streams = world_size * max(num_workers, 1)
-    if not resampled and len(shards) < num_streams:
+    sources = list(shards) if shards and isinstance(shards[0], WeightedShards) else [WeightedShards(list(shards), 1.0)]
+    all_shards = [shard for source in sources for shard in source.shards]
+    _check_loader_args(all_shards, batch_size, seed, rank, world_size, num_workers)
+    for i, source in enumerate(sources):
+        name = f"mixture source {i}, " if len(sources) > 1 else ""
+        _check_source(source, name, resampled=resampled, world_size=world_size, num_workers=num_workers)
+    if (shuffle_buffer is not None and shuffle_buffer < 0) or skip_batches < 0 or num_open_shards < 1:
         raise ValueError(
-            f"shard spec {_describe(shards)}: {len(shards)} shards cannot be split over {num_streams} streams "
-            f"(world_size {world_size} x {max(num_workers, 1)} workers); write more shards or use fewer workers"
+            "need shuffle_buffer >= 0, skip_batches >= 0, num_open_shards >= 1; "
+            f"got {shuffle_buffer}, {skip_batches}, {num_open_shards}"
         )
-    if shuffle_buffer < 0 or skip_batches < 0:
-        raise ValueError(f"shuffle_buffer and skip_batches must be >= 0, got {shuffle_buffer} and {skip_batches}")
+    if shuffle_buffer is None:
+        shuffle_buffer = _default_shuffle_buffer(all_shards, num_open_shards)
     stream = _ShardStream(
-        shards,
+        all_shards,
+        sources=sources,
+        num_open_shards=num_open_shards,
         transform=transform,
         batch_size=batch_size,
         seed=seed,
@@ -202,7 +156,9 @@ def make_eval_loader(
     """
     _check_loader_args(shards, batch_size, 0, rank, world_size, num_workers)
     if len(shards) < world_size:
-        raise ValueError(f"shard spec {_describe(shards)}: {len(shards)} shards for {world_size} ranks; need >= 1 each")
+        raise ValueError(
+            f"shard spec {describe_shards(shards)}: {len(shards)} shards for {world_size} ranks; need >= 1 each"
+        )
     stream = _ShardStream(
         shards, transform=transform, batch_size=batch_size, seed=0, rank=rank, world_size=world_size, train=False,
         labels=labels, label_field=label_field,
@@ -228,12 +184,15 @@ class _ShardStream(IterableDataset):
         skip_batches: int = 0,
         labels: bool = True,
         label_field: str | None = None,
+        sources: list[WeightedShards] | None = None,
+        num_open_shards: int = 1,
     ) -> None:
         super().__init__()
         self.shards, self.transform, self.batch_size = list(shards), transform, batch_size
         self.seed, self.rank, self.world_size, self.train = seed, rank, world_size, train
         self.shuffle_buffer, self.resampled, self.skip_batches = shuffle_buffer, resampled, skip_batches
         self.labels, self.label_field = labels, label_field
+        self.sources, self.num_open_shards = sources or [WeightedShards(self.shards, 1.0)], num_open_shards
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         loader_worker, num_workers = _worker_position()
@@ -255,25 +214,23 @@ class _ShardStream(IterableDataset):
         return _restore_global_rngs(batches)
 
     def _train_samples(self, worker: int, stream_id: int, num_streams: int) -> Iterator[dict[str, Any]]:
-        """Raw samples of this stream, epoch after epoch (a resampled stream stays in epoch 0 forever)."""
-        for epoch in itertools.count():
-            if self.resampled:
-                draw = random.Random(_mix_seed(self.seed, _SEED_SHARD_DRAW, self.rank, worker))
-                urls = (draw.choice(self.shards) for _ in itertools.count())
-            else:
-                urls = list(self.shards)
-                random.Random(_mix_seed(self.seed, _SEED_SHARD_ORDER, epoch)).shuffle(urls)  # same on all ranks
-                urls = urls[stream_id::num_streams]
-            samples = _read_shards(urls)
-            if self.shuffle_buffer > 0:
-                rng = random.Random(_mix_seed(self.seed, _SEED_SHUFFLE, epoch, self.rank, worker))
-                samples = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(samples)
-            empty = True
-            for sample in samples:
-                empty = False
-                yield sample
-            if empty:  # would otherwise loop forever without yielding
-                raise ValueError(f"shards {_describe(urls)} of stream {stream_id} hold no samples")
+        """Raw samples of this stream, endless, in the order data/order.py gives them."""
+
+        def rng(*parts: int) -> random.Random:
+            return random.Random(_mix_seed(self.seed, _SEED_ORDER, *parts))
+
+        return train_order(
+            self.sources,
+            lambda url: _read_shards([url]),
+            rng,
+            rank=self.rank,
+            worker=worker,
+            stream_id=stream_id,
+            num_streams=num_streams,
+            resampled=self.resampled,
+            num_open=self.num_open_shards,
+            shuffle_buffer=self.shuffle_buffer,
+        )
 
 
 def _gopen_fsspec(url: str, mode: str = "rb", bufsize: int = 8192):
@@ -444,6 +401,35 @@ def _check_loader_args(
         raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
 
 
+def _check_source(source: WeightedShards, name: str, *, resampled: bool, world_size: int, num_workers: int) -> None:
+    """Raises ValueError for a training source that cannot be streamed; `name` prefixes the message."""
+    if not source.shards:
+        raise ValueError(f"{name}shard list is empty")
+    if not (source.weight > 0 and math.isfinite(source.weight)):
+        raise ValueError(f"{name}shard spec {describe_shards(source.shards)}: weight must be > 0, got {source.weight}")
+    num_streams = world_size * max(num_workers, 1)
+    if not resampled and len(source.shards) < num_streams:
+        raise ValueError(
+            f"{name}shard spec {describe_shards(source.shards)}: {len(source.shards)} shards cannot be split over "
+            f"{num_streams} streams (world_size {world_size} x {max(num_workers, 1)} workers); write more shards or "
+            "use fewer workers"
+        )
+
+
+def _default_shuffle_buffer(shards: list[str], num_open_shards: int) -> int:
+    """The samples the open shards hold together, so that the buffer mixes them whole, within a memory budget.
+
+    Their count comes from index.json (mean samples per shard); their size from the shard files, tar headers
+    included, so the buffer's memory stays below `_SHUFFLE_BUFFER_BYTES`. Without an index: a fixed count.
+    """
+    num_samples = dataset_size(shards)
+    if num_samples is None:
+        return _SHUFFLE_BUFFER_FALLBACK
+    open_samples = min(num_open_shards, len(shards)) * num_samples / len(shards)
+    bytes_per_sample = sum(os.path.getsize(s) for s in shards) / max(num_samples, 1)
+    return max(1, min(round(open_samples), int(_SHUFFLE_BUFFER_BYTES / max(bytes_per_sample, 1))))
+
+
 def _worker_position() -> tuple[int, int]:
     """(worker id, number of workers) inside a DataLoader worker, (0, 1) in the main process."""
     info = get_worker_info()
@@ -453,13 +439,3 @@ def _worker_position() -> tuple[int, int]:
 def _mix_seed(*parts: int) -> int:
     """A 64-bit seed mixed from non-negative integers (numpy's SeedSequence hashing)."""
     return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0])
-
-
-def _describe(shards: list[str]) -> str:
-    """A short description of a shard list for error messages."""
-    return ", ".join(shards) if len(shards) <= 2 else f"[{shards[0]} ... {shards[-1]}] ({len(shards)} shards)"
-
-
-def _is_url(shard: str) -> bool:
-    """Whether a shard is a URL (`pipe:`, `http://`, `s3://`, ...) rather than a local path."""
-    return shard.startswith("pipe:") or "://" in shard

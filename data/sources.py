@@ -1,13 +1,16 @@
 """Labelled image sources that `data.write` turns into shards.
 
-Every source yields `Sample` tuples `(key, image, label, meta)`: `key` is unique within the split
-(e.g. `train_00000042`), `image` is a PIL image or the original JPEG/PNG bytes, `label` indexes the
-source's class list and `meta` is stored as the sample's `.json`.
+A source gives random access to its `Sample` tuples `(key, image, label, meta)`: sample i is keyed
+`{split}_{i:08d}` (unique within the split, and the same whatever order it is written in), `image` is a
+PIL image or the original JPEG/PNG bytes, `label` indexes the source's class list and `meta` is stored as
+the sample's `.json`. Random access lets `python -m data write` write the samples in a seeded random order
+(`shuffled_order`) without holding them in memory: sources such as a class-per-folder tree list their samples
+class by class, and a stream can only mix what sits near each other in the shards.
 """
 
 import gzip
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,10 +47,20 @@ class Sample(NamedTuple):
 
 
 class Source(NamedTuple):
-    """A stream of samples with the class names its labels index."""
+    """A labelled image set: the class names its labels index, and sample i on demand."""
 
     classes: list[str]
-    samples: Iterator[Sample]
+    num_samples: int
+    load: Callable[[int], Sample]
+
+    def samples(self, order: Iterable[int] | None = None) -> Iterator[Sample]:
+        """The samples in `order` (indices into the source; default: source order), each loaded when reached."""
+        return map(self.load, range(self.num_samples) if order is None else order)
+
+
+def shuffled_order(num_samples: int, seed: int) -> list[int]:
+    """A seeded random permutation of range(num_samples): the order `python -m data write` writes a source in."""
+    return np.random.default_rng(seed).permutation(num_samples).tolist()
 
 
 def read_idx(path: str, magic: int) -> np.ndarray:
@@ -97,12 +110,11 @@ def fashion_mnist(path: str | None, split: str) -> Source:
     if len(images) != len(labels):
         raise ValueError(f"fashion-mnist {split} in {root}: {len(images)} images but {len(labels)} labels")
 
-    def samples() -> Iterator[Sample]:
-        for i, (pixels, label) in enumerate(zip(images, labels, strict=True)):
-            meta = {"label": int(label), "source_index": i}
-            yield Sample(f"{split}_{i:08d}", Image.fromarray(pixels), int(label), meta)
+    def load(i: int) -> Sample:
+        label = int(labels[i])
+        return Sample(f"{split}_{i:08d}", Image.fromarray(images[i]), label, {"label": label, "source_index": i})
 
-    return Source(list(FASHION_MNIST_CLASSES), samples())
+    return Source(list(FASHION_MNIST_CLASSES), len(images), load)
 
 
 def image_folder(path: str, split: str) -> Source:
@@ -129,19 +141,19 @@ def image_folder(path: str, split: str) -> Source:
         if file.lower().endswith(IMAGE_EXTENSIONS)
     ]
 
-    def samples() -> Iterator[Sample]:
-        for i, (file, label) in enumerate(files):
-            meta = {"label": label, "source_index": i, "path": os.path.relpath(file, path)}
-            if file.lower().endswith((".jpg", ".jpeg", ".png")):
-                with open(file, "rb") as f:
-                    image = f.read()
-            else:
-                with Image.open(file) as img:
-                    img.load()
-                    image = img
-            yield Sample(f"{split}_{i:08d}", image, label, meta)
+    def load(i: int) -> Sample:
+        file, label = files[i]
+        meta = {"label": label, "source_index": i, "path": os.path.relpath(file, path)}
+        if file.lower().endswith((".jpg", ".jpeg", ".png")):
+            with open(file, "rb") as f:
+                image = f.read()
+        else:
+            with Image.open(file) as img:
+                img.load()
+                image = img
+        return Sample(f"{split}_{i:08d}", image, label, meta)
 
-    return Source(classes, samples())
+    return Source(classes, len(files), load)
 
 
 def synthetic(num_samples: int, image_size: int, num_classes: int, seed: int, split: str) -> Source:
@@ -167,14 +179,12 @@ def synthetic(num_samples: int, image_size: int, num_classes: int, seed: int, sp
         )
     classes = [f"{_SYNTHETIC_SHAPES[k % len(_SYNTHETIC_SHAPES)]}_{k}" for k in range(num_classes)]
 
-    def samples() -> Iterator[Sample]:
-        for i in range(num_samples):
-            label = i % num_classes
-            rng = np.random.default_rng([seed, i])
-            image = _draw_synthetic(rng, label, num_classes, image_size)
-            yield Sample(f"{split}_{i:08d}", image, label, {"label": label, "source_index": i})
+    def load(i: int) -> Sample:
+        label = i % num_classes
+        image = _draw_synthetic(np.random.default_rng([seed, i]), label, num_classes, image_size)
+        return Sample(f"{split}_{i:08d}", image, label, {"label": label, "source_index": i})
 
-    return Source(classes, samples())
+    return Source(classes, num_samples, load)
 
 
 def _draw_synthetic(rng: np.random.Generator, label: int, num_classes: int, size: int) -> Image.Image:

@@ -6,8 +6,10 @@ Layout of an output directory:
         key.cls              the class index as ASCII digits
         key.json             metadata, e.g. {"label": 3, "source_index": 42}
     index.json                {"shards": [{"name", "num_samples"}], "num_samples", "classes", "image_size",
-                               "source", "split"}; written last and atomically, so its presence means
-                               every shard it names is complete.
+                               "source", "split", "shuffle_seed"}; written last and atomically, so its
+                               presence means every shard it names is complete. `shuffle_seed` is the seed
+                               of the order the samples were written in (`data.sources.shuffled_order`),
+                               null for the source's own order.
 """
 
 import io
@@ -63,6 +65,7 @@ def write_shards(
     split: str,
     classes: list[str],
     source: str,
+    shuffle_seed: int | None = None,
 ) -> dict[str, Any]:
     """Writes samples into `out_dir/{split}-{000000}.tar` shards of `shard_size` samples, then `index.json`.
 
@@ -73,6 +76,7 @@ def write_shards(
         split: Split name, used as the shard file prefix.
         classes: Class names; labels index this list.
         source: Where the samples came from, recorded in the index.
+        shuffle_seed: The seed of the order `samples` come in, recorded in the index (None: the source's order).
 
     Returns:
         The index written to `out_dir/index.json`. Its `image_size` is [H, W], or None when sizes differ.
@@ -112,6 +116,7 @@ def write_shards(
         "image_size": list(sizes.pop()) if len(sizes) == 1 else None,
         "source": source,
         "split": split,
+        "shuffle_seed": shuffle_seed,
     }
     tmp_path = os.path.join(out_dir, INDEX_FILE + ".tmp")
     with open(tmp_path, "w") as f:

@@ -25,7 +25,8 @@ from core.engine.stage import (
     train_stream,
 )
 from data.mixing import build_mix, mixed
-from data.pipeline import dataset_classes, make_eval_loader, resolve_shards
+from data.pipeline import make_eval_loader
+from data.specs import dataset_classes, resolve_shards
 from data.transforms import eval_transform, finetune_train_transform
 from finetune.classification import Classification
 from finetune.distillation import Distillation, to_distilled

@@ -13,7 +13,7 @@ import torch
 from core.config import Config
 from core.engine.stage import build_model
 from core.preflight import Findings, describe_spec
-from data.pipeline import dataset_classes
+from data.specs import dataset_classes
 from finetune.checkpoints import read_checkpoint
 from finetune.handoff import PATCH_KERNEL, fit_problems
 from finetune.teacher import teacher_is_folder

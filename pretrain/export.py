@@ -41,7 +41,7 @@ def pretrain_manifest(cfg: Config, *, step: int, source: str, objective_keys: It
         "method": cfg.objective.kind,
         "step": step,
         "source": source,
-        "data": cfg.data.train,
+        "data": cfg.data.model_dump(mode="json")["train"],  # a mixture as plain mappings
         "config": cfg.model_dump(mode="json"),
         "pooling_hint": "avg",
     }

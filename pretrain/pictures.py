@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from core.config import Config
 from core.engine.loop import autocast_context, to_device
 from core.pictures import bar_chart, image_grid, upscale_nearest
-from data.pipeline import make_eval_loader, resolve_shards
+from data.pipeline import make_eval_loader
+from data.specs import resolve_shards
 from data.transforms import WithMask, eval_transform
 from pretrain.mae import normalize_patches, patchify, reconstruction_grid
 from pretrain.objectives import mask_generator, tokenizer_manifest

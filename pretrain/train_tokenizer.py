@@ -122,7 +122,7 @@ def train_tokenizer(run: StageRun) -> int:
             "method": "vqvae",
             "step": run.state.step,
             "source": run.recipe,
-            "data": cfg.data.train,
+            "data": cfg.data.model_dump(mode="json")["train"],  # a mixture as plain mappings
             "mean": list(cfg.data.mean),
             "std": list(cfg.data.std),
         }

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.config import Config, dump_config, load_config
+from core.config import Config, TrainSource, dump_config, load_config
 from core.engine import preempt
 from core.engine.checkpoint import RNGState, find_resume, load_checkpoint, load_states
 from core.engine.distributed import DistInfo, init_distributed, shutdown
@@ -28,7 +28,8 @@ from core.engine.setup import parallelize, resolve_attention
 from core.engine.zero_init import init_partitioned_vit
 from core.logging import MetricsLogger
 from core.models import build_vit, vit_model_args
-from data.pipeline import dataset_size, make_train_loader, resolve_shards
+from data.pipeline import make_train_loader
+from data.specs import dataset_size, describe_shards, train_sources
 
 EXIT_NONFINITE = 3
 """Process exit code after `engine.max_consecutive_nonfinite` non-finite losses in a row (see `run_loop`)."""
@@ -182,7 +183,7 @@ def prepare_run_dir(cfg: Config, dist: DistInfo) -> tuple[Path, str]:
 
 
 def launch_plan(cfg: Config, dist: DistInfo, *, total_steps: int, warmup_steps: int, samples: int | None) -> str:
-    """What the run will do, printed once at launch: batch arithmetic and the lr actually used."""
+    """What the run will do, printed once at launch: batch arithmetic, the lr actually used, a mixture's sources."""
     per_device = cfg.batch_size_per_device(dist.world_size)
     rule = (
         f"base_lr {cfg.optim.base_lr:g} x {cfg.data.global_batch_size} / {cfg.optim.lr_base_batch}"
@@ -192,7 +193,7 @@ def launch_plan(cfg: Config, dist: DistInfo, *, total_steps: int, warmup_steps: 
     epochs = (
         f" (~{total_steps * cfg.data.global_batch_size / samples:.2f} epochs of {samples} samples)" if samples else ""
     )
-    return (
+    plan = (
         f"[mimpipe] stage {cfg.stage} | objective {cfg.objective.kind} | run_dir {cfg.run_dir}\n"
         f"[mimpipe] world size {dist.world_size} on {dist.device.type} | ZeRO-{cfg.engine.zero_stage} | "
         f"precision {cfg.engine.precision} | attention {resolve_attention(cfg.engine.attention, dist.device)}\n"
@@ -201,6 +202,23 @@ def launch_plan(cfg: Config, dist: DistInfo, *, total_steps: int, warmup_steps: 
         f"[mimpipe] lr {cfg.peak_lr:.4g} ({rule}), min {cfg.optim.min_lr:g}, warmup {warmup_steps} of "
         f"{total_steps} steps{epochs}"
     )
+    if cfg.data.is_mixture:
+        plan += "\n" + mixture_plan(cfg.data.train, total_steps * cfg.data.global_batch_size)
+    return plan
+
+
+def mixture_plan(sources: list[TrainSource], num_samples: int) -> str:
+    """One line per source of a mixture: its share of the `num_samples` the run draws and, where index.json gives
+    its size, how many passes over it that makes."""
+    total_weight = sum(source.weight for source in sources)
+    lines = []
+    for i, source in enumerate(sources):
+        share = source.weight / total_weight
+        size = dataset_size(source.shards)
+        passes = f", ~{share * num_samples / size:.2f} passes over its {size} samples" if size else ""
+        spec = describe_shards(source.shards) if isinstance(source.shards, list) else source.shards
+        lines.append(f"[mimpipe] data.train[{i}] {spec}: weight {source.weight:g}, {share:.1%} of the samples{passes}")
+    return "\n".join(lines)
 
 
 def train_stream(cfg: Config, dist: DistInfo, transform, *, skip_batches: int, labels: bool):
@@ -210,7 +228,7 @@ def train_stream(cfg: Config, dist: DistInfo, transform, *, skip_batches: int, l
     image and labels it -1 (pretraining)."""
     return iter(
         make_train_loader(
-            resolve_shards(cfg.data.train),
+            train_sources(cfg.data.train),
             transform=transform,
             batch_size=cfg.batch_size_per_device(dist.world_size),
             seed=cfg.seed,
@@ -222,6 +240,7 @@ def train_stream(cfg: Config, dist: DistInfo, transform, *, skip_batches: int, l
             skip_batches=skip_batches,
             labels=labels,
             label_field=cfg.data.label_field,
+            num_open_shards=cfg.data.num_open_shards,
         )
     )
 

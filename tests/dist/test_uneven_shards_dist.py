@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from data.pipeline import dataset_size, resolve_shards
+from data.specs import dataset_size, resolve_shards
 from tests.launching import launch, losses, pretrain_recipe, write_recipe, write_synthetic
 
 pytestmark = pytest.mark.dist

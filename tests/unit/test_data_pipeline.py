@@ -16,7 +16,8 @@ from PIL import Image
 
 from data import sources
 from data.masking import BlockwiseMaskGenerator
-from data.pipeline import dataset_size, make_eval_loader, make_train_loader, resolve_shards
+from data.pipeline import make_eval_loader, make_train_loader
+from data.specs import dataset_size, resolve_shards
 from data.transforms import WithMask, eval_transform, pretrain_transform
 from data.write import write_shards
 
@@ -30,7 +31,9 @@ def shard_dir(tmp_path_factory) -> str:
     """8 shards of 12 synthetic 8x8 images; sample i has label i % 4."""
     out = str(tmp_path_factory.mktemp("shards"))
     source = sources.synthetic(NUM_SHARDS * SHARD_SIZE, SIZE, NUM_CLASSES, seed=0, split="train")
-    write_shards(source.samples, out, shard_size=SHARD_SIZE, split="train", classes=source.classes, source="synthetic")
+    write_shards(
+        source.samples(), out, shard_size=SHARD_SIZE, split="train", classes=source.classes, source="synthetic"
+    )
     return out
 
 
@@ -94,22 +97,34 @@ def test_too_few_shards_for_ranks_and_workers(shard_dir):
         make_eval_loader(shards, transform=None, batch_size=4, rank=0, world_size=9, num_workers=0)
 
 
+@pytest.mark.parametrize("num_open_shards", [1, 8])
 @pytest.mark.parametrize(("world_size", "num_workers"), [(1, 0), (2, 0), (2, 2), (4, 2)])
-def test_train_split_reads_every_shard_once_per_epoch(shard_dir, world_size, num_workers):
+def test_train_split_reads_every_shard_once_per_epoch(shard_dir, world_size, num_workers, num_open_shards):
     shards = resolve_shards(shard_dir)
-    batches_per_epoch = NUM_SHARDS // world_size  # one shard per batch: batch size = shard size, no shuffling
-    epochs = [[], []]
+    streams = world_size * max(num_workers, 1)
+    batches_per_epoch = NUM_SHARDS // world_size  # batch size = shard size, no shuffle buffer: epochs end on batches
+    epochs, shards_per_batch = [[], []], []
     for rank in range(world_size):
         loader = _train(
-            shards, batch_size=SHARD_SIZE, shuffle_buffer=0, rank=rank, world_size=world_size, num_workers=num_workers
+            shards,
+            batch_size=SHARD_SIZE,
+            shuffle_buffer=0,
+            rank=rank,
+            world_size=world_size,
+            num_workers=num_workers,
+            num_open_shards=num_open_shards,
         )
         batches = _take(loader, 2 * batches_per_epoch)
         for epoch in range(2):
             for batch in batches[epoch * batches_per_epoch : (epoch + 1) * batches_per_epoch]:
-                assert len({k.split("_")[1][:-1] for k in batch["key"]}) <= 2  # one shard's consecutive keys
+                shards_per_batch.append(len({int(k.split("_")[1]) // SHARD_SIZE for k in batch["key"]}))
                 epochs[epoch].extend(batch["key"])
     assert sorted(epochs[0]) == ALL_KEYS and sorted(epochs[1]) == ALL_KEYS
     assert epochs[0] != epochs[1]  # the shard order is reshuffled every epoch
+    if num_open_shards == 1 or streams == NUM_SHARDS:  # one shard at a time: each batch is one shard
+        assert set(shards_per_batch) == {1}
+    else:  # each stream's shards of the epoch are read at once, their samples interleaved
+        assert min(shards_per_batch) >= 2
 
 
 @pytest.mark.parametrize(

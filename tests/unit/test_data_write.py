@@ -27,9 +27,9 @@ def _read_tar(path: str) -> list[dict]:
 
 def test_round_trip_keys_labels_pixels_and_index(tmp_path):
     source = sources.synthetic(num_samples=50, image_size=12, num_classes=4, seed=3, split="train")
-    expected = list(sources.synthetic(num_samples=50, image_size=12, num_classes=4, seed=3, split="train").samples)
+    expected = list(sources.synthetic(num_samples=50, image_size=12, num_classes=4, seed=3, split="train").samples())
     index = write_shards(
-        source.samples, str(tmp_path), shard_size=16, split="train", classes=source.classes, source="synthetic"
+        source.samples(), str(tmp_path), shard_size=16, split="train", classes=source.classes, source="synthetic"
     )
 
     with open(tmp_path / "index.json") as f:
@@ -37,6 +37,7 @@ def test_round_trip_keys_labels_pixels_and_index(tmp_path):
     assert [s["name"] for s in index["shards"]] == [f"train-{i:06d}.tar" for i in range(4)]
     assert [s["num_samples"] for s in index["shards"]] == [16, 16, 16, 2]
     assert index["num_samples"] == 50 and index["image_size"] == [12, 12] and index["classes"] == source.classes
+    assert index["shuffle_seed"] is None  # written in the order given
     assert sorted(os.listdir(tmp_path)) == ["index.json"] + [s["name"] for s in index["shards"]]  # no .tmp left
 
     stored = [sample for s in index["shards"] for sample in _read_tar(str(tmp_path / s["name"]))]
@@ -76,9 +77,9 @@ def test_write_rejects_bad_samples_and_existing_output(tmp_path):
 
 
 def test_synthetic_is_deterministic_and_classes_differ_in_colour():
-    first = list(sources.synthetic(40, 16, 4, seed=1, split="s").samples)
-    again = list(sources.synthetic(60, 16, 4, seed=1, split="s").samples)[:40]  # a prefix of a larger set
-    other = list(sources.synthetic(40, 16, 4, seed=2, split="s").samples)
+    first = list(sources.synthetic(40, 16, 4, seed=1, split="s").samples())
+    again = list(sources.synthetic(60, 16, 4, seed=1, split="s").samples())[:40]  # a prefix of a larger set
+    other = list(sources.synthetic(40, 16, 4, seed=2, split="s").samples())
     assert all(np.array_equal(np.asarray(a.image), np.asarray(b.image)) for a, b in zip(first, again, strict=True))
     assert not np.array_equal(np.asarray(first[0].image), np.asarray(other[0].image))
     assert [s.label for s in first] == [i % 4 for i in range(40)]
@@ -103,8 +104,10 @@ def test_fashion_mnist_cli_writes_real_images(tmp_path, capsys):
     labels = sources.read_idx(os.path.join(FM_DIR, "t10k-labels-idx1-ubyte.gz"), 0x801)  # (10000,)
     assert images.shape == (10000, 28, 28) and labels.shape == (10000,)
     stored = _read_tar(str(out / "test-000000.tar"))
-    assert [s["__key__"] for s in stored] == [f"test_{i:08d}" for i in range(20)]
-    for i, sample in enumerate(stored):
+    order = sources.shuffled_order(10000, seed=0)[:20]  # --limit takes the first samples of the shuffled order
+    assert [s["__key__"] for s in stored] == [f"test_{i:08d}" for i in order]
+    assert index["shuffle_seed"] == 0
+    for i, sample in zip(order, stored, strict=True):
         assert int(sample["cls"]) == labels[i] and 0 <= labels[i] < 10
         np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(sample["png"]))), images[i])
 
@@ -112,7 +115,8 @@ def test_fashion_mnist_cli_writes_real_images(tmp_path, capsys):
     main(["inspect", str(out)])
     text = capsys.readouterr().out
     assert "shards: 3" in text and "samples: 50 (index.json: 50)" in text and "Ankle boot" in text
-    assert "test_00000000: png 28x28 L  label 9 (Ankle boot)  other fields: cls, json" in text
+    assert f"test_{order[0]:08d}: png 28x28 L  label " in text and "other fields: cls, json" in text
+    assert "shuffle_seed: 0" in text
 
 
 def test_fashion_mnist_missing_or_bad_files_name_the_path(tmp_path):
@@ -136,7 +140,18 @@ def test_imagefolder_sorted_classes_formats_and_inspect(tmp_path):
         Image.new("RGB", (9, 7), colour).save(root / name / "a.png")
     (root / "ant" / "notes.txt").write_text("not an image")
     (root / ".ipynb_checkpoints").mkdir()  # hidden folders are not classes
-    main(["write", "--source", "imagefolder", "--path", str(root), "--out", str(tmp_path / "out"), "--shard-size", "3"])
+    args = [
+        "write",
+        "--source",
+        "imagefolder",
+        "--path",
+        str(root),
+        "--out",
+        str(tmp_path / "out"),
+        "--shard-size",
+        "3",
+    ]
+    main([*args, "--no-shuffle"])  # the source's own order: classes and files sorted
 
     index = json.loads((tmp_path / "out" / "index.json").read_text())
     assert index["classes"] == ["ant", "cat"] and index["num_samples"] == 4 and index["image_size"] == [7, 9]
@@ -153,3 +168,68 @@ def test_imagefolder_sorted_classes_formats_and_inspect(tmp_path):
         "  train_00000000: png 9x7 RGB  label 0 (ant)  other fields: cls, json",
         "  train_00000001: png 9x7 RGB  label 0 (ant)  other fields: cls, json",
     ]
+
+
+def _tree(root, num_classes: int, per_class: int) -> None:
+    """A class-per-folder tree of 4x4 PNGs whose pixel value encodes (class, file)."""
+    for c in range(num_classes):
+        (root / f"class{c}").mkdir(parents=True)
+        for k in range(per_class):
+            Image.new("L", (4, 4), c * per_class + k).save(root / f"class{c}" / f"{k:02d}.png")
+
+
+def test_imagefolder_is_written_in_a_seeded_shuffled_order_with_stable_keys(tmp_path):
+    _tree(tmp_path / "tree", num_classes=3, per_class=10)
+
+    def write(out: str, *extra: str) -> tuple[dict, list[dict]]:
+        tree = str(tmp_path / "tree")
+        main(
+            [
+                "write",
+                "--source",
+                "imagefolder",
+                "--path",
+                tree,
+                "--out",
+                str(tmp_path / out),
+                "--shard-size",
+                "10",
+                *extra,
+            ]
+        )
+        index = json.loads((tmp_path / out / "index.json").read_text())
+        return index, [s for shard in index["shards"] for s in _read_tar(str(tmp_path / out / shard["name"]))]
+
+    index, stored = write("seed0")
+    _, in_order = write("plain", "--no-shuffle")
+    _, seed1 = write("seed1", "--shuffle-seed", "1")
+    _, limited = write("limited", "--limit", "7")
+
+    order = sources.shuffled_order(30, seed=0)
+    assert index["shuffle_seed"] == 0 and [s["__key__"] for s in stored] == [f"train_{i:08d}" for i in order]
+    by_key = {s["__key__"]: s for s in in_order}  # a sample keeps its key, label, path and bytes in any order
+    for sample in stored:
+        ref = by_key[sample["__key__"]]
+        assert sample["cls"] == ref["cls"] and sample["json"] == ref["json"] and sample["png"] == ref["png"]
+    assert sorted(by_key) == [s["__key__"] for s in in_order]  # --no-shuffle: the source order
+    assert [int(s["cls"]) for s in in_order] == [c for c in range(3) for _ in range(10)]
+    assert all(len({int(s["cls"]) for s in stored[i : i + 10]}) == 3 for i in (0, 10, 20))  # each shard: all classes
+    assert [s["__key__"] for s in seed1] != [s["__key__"] for s in stored]
+    assert [s["__key__"] for s in limited] == [s["__key__"] for s in stored[:7]]  # the first of the same order
+    assert json.loads((tmp_path / "plain" / "index.json").read_text())["shuffle_seed"] is None
+    write("again")
+    names = [shard["name"] for shard in index["shards"]]
+    assert [(tmp_path / "again" / n).read_bytes() for n in names] == [
+        (tmp_path / "seed0" / n).read_bytes() for n in names
+    ]
+
+
+def test_sources_load_samples_only_when_reached(tmp_path):
+    _tree(tmp_path / "tree", num_classes=2, per_class=3)
+    source = sources.image_folder(str(tmp_path / "tree"), "train")
+    loaded = []
+    counting = source._replace(load=lambda i: loaded.append(i) or source.load(i))
+    samples = counting.samples([4, 0, 5])
+    assert loaded == []
+    assert next(samples).key == "train_00000004" and loaded == [4]
+    assert [s.label for s in samples] == [0, 1] and loaded == [4, 0, 5]

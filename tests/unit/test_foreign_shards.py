@@ -18,7 +18,8 @@ from core.config import load_config
 from data.__main__ import inspect_shards, main
 from data.decode import LabelError
 from data.index import index_shards
-from data.pipeline import dataset_classes, dataset_size, make_eval_loader, make_train_loader, resolve_shards
+from data.pipeline import make_eval_loader, make_train_loader
+from data.specs import dataset_classes, dataset_size, resolve_shards
 from data.transforms import eval_transform, pretrain_transform
 from tests.foreign_shards import CAPTION_ONLY, GOOD_KEYS, LABELS, SIZES, TRUNCATED, encode, write_img2dataset_shards
 

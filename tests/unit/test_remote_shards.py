@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.pipeline import make_eval_loader, make_train_loader, resolve_shards
+from data.pipeline import make_eval_loader, make_train_loader
+from data.specs import resolve_shards
 from data.transforms import eval_transform, pretrain_transform
 from data.write import read_index
 

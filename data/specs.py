@@ -1,0 +1,130 @@
+"""Shard specs: what `data.train` and `data.val` name, resolved to shard lists, with their sizes and classes.
+
+A spec is a directory with an `index.json`, a brace pattern, a glob, a single path or URL, or a list of them. A
+training spec may instead be a mixture: a list of entries with `shards` (a spec) and `weight`, as `data.train`
+holds them (`core.config.TrainSource`); each becomes one `WeightedShards` source of the training stream.
+"""
+
+import glob
+import os
+from typing import Any, NamedTuple
+
+import webdataset as wds
+
+from data.write import INDEX_FILE, read_index
+
+
+class WeightedShards(NamedTuple):
+    """One source of a training stream: its shards and its sampling weight (relative to the other sources)."""
+
+    shards: list[str]
+    weight: float
+
+
+def resolve_shards(spec: str | list[str] | list[Any]) -> list[str]:
+    """Turns a shard spec into the list of shard paths or URLs.
+
+    Args:
+        spec: A directory with an `index.json`; a brace pattern such as `dir/train-{000000..000127}.tar`;
+            a glob such as `dir/train-*.tar`; a single path; a list of paths/URLs; or a mixture (see
+            `train_sources`), whose shards are those of all its sources.
+
+    Returns:
+        The shards, in index / brace / sorted-glob / list order (a mixture: source after source).
+
+    Raises:
+        ValueError: If a local shard does not exist or a pattern matches nothing.
+    """
+    if is_mixture(spec):
+        return [shard for source in train_sources(spec) for shard in source.shards]
+    if isinstance(spec, list | tuple):
+        shards = [str(s) for s in spec]
+    elif os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, INDEX_FILE)):
+            raise ValueError(
+                f"shard directory {spec} has no {INDEX_FILE}: write one with `python -m data index {spec}`, or give "
+                "a brace pattern or glob of its shards"
+            )
+        shards = [os.path.join(spec, s["name"]) for s in read_index(spec)["shards"]]
+    elif any(c in spec for c in "*?["):
+        shards = sorted(glob.glob(spec))
+    else:
+        shards = wds.shardlists.expand_urls(spec)
+    missing = [s for s in shards if not _is_url(s) and not os.path.isfile(s)]
+    if not shards or (missing and len(missing) == len(shards) and shards != [spec]):
+        raise ValueError(f"shard spec {spec} matches no files")
+    if missing:
+        raise ValueError(f"shard {missing[0]} (from shard spec {spec}) does not exist")
+    return shards
+
+
+def dataset_size(spec: str | list[str] | list[Any]) -> int | None:
+    """Total number of samples in the shards of `spec`, from the `index.json` beside them.
+
+    Returns:
+        The sum of the shards' `num_samples`; None when some shard is not listed in an index, or for a mixture
+        (which has no size of its own: `data.samples_per_epoch` says what an epoch is).
+    """
+    if is_mixture(spec):
+        return None
+    shards = resolve_shards(spec)
+    if isinstance(spec, str) and os.path.isdir(spec):  # its index lists these shards, which may lie in other folders
+        return read_index(spec)["num_samples"]
+    counts: dict[str, int] = {}
+    for directory in {os.path.dirname(s) for s in shards}:
+        if os.path.isfile(os.path.join(directory, INDEX_FILE)):
+            for entry in read_index(directory)["shards"]:
+                counts[os.path.join(directory, entry["name"])] = entry["num_samples"]
+    if not all(s in counts for s in shards):
+        return None
+    return sum(counts[s] for s in shards)
+
+
+def dataset_classes(spec: str | list[str] | list[Any]) -> list[str]:
+    """Class names from the `index.json` of `spec`'s folder, else beside its first shard ([] when there is none).
+
+    Raises:
+        ValueError: If two sources of a mixture list different classes.
+    """
+    if is_mixture(spec):
+        listed = [(source.shards, names) for source in spec if (names := dataset_classes(source.shards))]
+        for shards, names in listed[1:]:
+            if names != listed[0][1]:
+                raise ValueError(
+                    f"mixture sources {listed[0][0]} and {shards} list different classes in their index.json "
+                    f"({len(listed[0][1])} and {len(names)}, {listed[0][1][:3]} and {names[:3]} first); their "
+                    "labels would mean different things"
+                )
+        return listed[0][1] if listed else []
+    is_folder = isinstance(spec, str) and os.path.isdir(spec)
+    directory = spec if is_folder else os.path.dirname(resolve_shards(spec)[0])
+    if not os.path.isfile(os.path.join(directory, INDEX_FILE)):
+        return []
+    return list(read_index(directory).get("classes") or [])
+
+
+def train_sources(spec: str | list[str] | list[Any]) -> list[WeightedShards]:
+    """The sources of a training stream, with their shards resolved (see `resolve_shards`).
+
+    Args:
+        spec: A shard spec, which is one source of weight 1, or a mixture: a list of entries with `shards` (a
+            shard spec) and `weight` attributes, as `data.train` holds them (`core.config.TrainSource`).
+    """
+    if is_mixture(spec):
+        return [WeightedShards(resolve_shards(entry.shards), float(entry.weight)) for entry in spec]
+    return [WeightedShards(resolve_shards(spec), 1.0)]
+
+
+def is_mixture(spec: Any) -> bool:
+    """Whether a training spec is a mixture: a list of entries with `shards` and `weight`."""
+    return isinstance(spec, list | tuple) and any(hasattr(entry, "shards") for entry in spec)
+
+
+def describe_shards(shards: list[str]) -> str:
+    """A short description of a shard list for error messages."""
+    return ", ".join(shards) if len(shards) <= 2 else f"[{shards[0]} ... {shards[-1]}] ({len(shards)} shards)"
+
+
+def _is_url(shard: str) -> bool:
+    """Whether a shard is a URL (`pipe:`, `http://`, `s3://`, ...) rather than a local path."""
+    return shard.startswith("pipe:") or "://" in shard

@@ -1,0 +1,68 @@
+"""The order of training samples over 2 ranks x 2 data workers (tests/dist/order_worker.py under torchrun: the stream
+a stage builds from the recipe's data section). Shards written class by class give batches close to uniform on
+every rank, and a resumed stream repeats the uninterrupted one; a mixture of two non-resampled sources draws them
+by weight, and each source's epoch is split over the 4 streams without overlap."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launching import (
+    MAX_BATCH_CHI2,
+    MAX_MEAN_CHI2,
+    REPO,
+    chi_square,
+    free_port,
+    write_class_ordered,
+)
+
+pytestmark = pytest.mark.dist
+
+DATA = ["data.num_workers=2", "data.global_batch_size=80"]  # 40 per rank
+
+
+def _draw(out: Path, num_batches: int, skip_batches: int, *overrides: str) -> list[list[dict]]:
+    """Each rank's batches (keys and labels) from a 2-process torchrun of order_worker.py."""
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += [str(REPO / "tests" / "dist" / "order_worker.py"), str(out), str(num_batches), str(skip_batches)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([*cmd, *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_class_ordered_shards_mix_on_two_ranks_and_resume_exactly(tmp_path):
+    shards = write_class_ordered(tmp_path / "ordered", "o", num_classes=10)
+    fresh = _draw(tmp_path / "fresh", 12, 0, f"data.train={shards}", *DATA)
+    for batches in fresh:
+        chi2 = [chi_square(b["label"], 10) for b in batches]
+        assert sum(chi2) / len(chi2) < MAX_MEAN_CHI2 and max(chi2) < MAX_BATCH_CHI2, chi2
+    assert fresh[0][0]["key"] != fresh[1][0]["key"]  # each rank has its own streams
+    resumed = _draw(tmp_path / "resumed", 7, 5, f"data.train={shards}", *DATA)
+    assert resumed == [batches[5:] for batches in fresh]
+
+
+def test_non_resampled_mixture_draws_by_weight_and_splits_each_epoch(tmp_path):
+    a = write_class_ordered(tmp_path / "a", "a", num_classes=10)  # 400 samples, 8 shards: 2 per stream
+    b = write_class_ordered(tmp_path / "b", "b", num_classes=5)  # 200 samples, 4 shards: 1 per stream
+    mixture = f"data.train=[{{shards: {a}}}, {{shards: {b}, weight: 0.5}}]"
+    drawn = _draw(tmp_path / "mix", 12, 0, mixture, "data.resampled=false", "data.shuffle_buffer=0", *DATA)
+    epoch_share = {"a": 100, "b": 50}  # samples of each source a stream reads per epoch
+    first_epoch = {"a": [], "b": []}
+    for batches in drawn:
+        keys = [k for batch in batches for k in batch["key"]]
+        share = sum(k.startswith("a_") for k in keys) / len(keys)
+        assert abs(share - 2 / 3) < 4 * (2 / 9 / len(keys)) ** 0.5, share  # 4 binomial standard deviations
+        for worker in range(2):  # DataLoader takes batch i from worker i % 2
+            stream = [k for batch in batches[worker::2] for k in batch["key"]]
+            for source, size in epoch_share.items():
+                first_epoch[source] += [k for k in stream if k.startswith(f"{source}_")][:size]
+    assert sorted(first_epoch["a"]) == [f"a_{i:08d}" for i in range(400)]  # the 4 streams: disjoint, complete
+    assert sorted(first_epoch["b"]) == [f"b_{i:08d}" for i in range(200)]
