@@ -86,7 +86,12 @@ def missing_shard_dir(t: Path, s: Path):
 
 def shard_without_image(t: Path, s: Path):
     spec = copy_shards(s, t / "noimg", drop="png")
-    return [f"data.train={spec}"], "data.train", f"{spec}/train-000000.tar", "has no image field (jpg, jpeg, png, webp, any case)"
+    return (
+        [f"data.train={spec}"],
+        "data.train",
+        f"{spec}/train-000000.tar",
+        "has no image field (jpg, jpeg, png, webp, any case)",
+    )
 
 
 def finetune_shard_without_label(t: Path, s: Path):
