@@ -21,7 +21,7 @@ def main(out: Path, num_batches: int, skip_batches: int, overrides: list[str]) -
     cfg = load_config(None, ["engine.device=cpu", *overrides])
     dist = init_distributed("cpu")
     transform = eval_transform(4, cfg.data.mean, cfg.data.std, crop_pct=1.0)
-    batches = itertools.islice(train_stream(cfg, dist, transform, skip_batches=skip_batches), num_batches)
+    batches = itertools.islice(train_stream(cfg, dist, transform, skip_batches=skip_batches, labels=True), num_batches)
     drawn = [{"key": b["key"], "label": b["label"].tolist()} for b in batches]
     (out / f"rank{dist.rank}.json").write_text(json.dumps(drawn))
     shutdown()

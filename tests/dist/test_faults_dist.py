@@ -91,7 +91,8 @@ def test_sigterm_checkpoints_the_step_reached_and_relaunch_resumes(shards, tmp_p
     tag = f"step_{step:08d}"
     assert (run_dir / "checkpoints" / "latest").read_text() == tag
     for rank in (0, 1):
-        assert json.loads((run_dir / "checkpoints" / tag / f"rank_{rank:05d}.json").read_text())["step"] == step
+        saved = json.loads((run_dir / "checkpoints" / tag / f"rank_{rank:05d}.json").read_text())
+        assert saved["train"]["step"] == step
 
     proc = launch(recipe, f"schedule.steps={step + 2}")
     assert proc.returncode == 0, proc.stdout[-4000:]

@@ -5,6 +5,7 @@ have no label) ends the run with one `[mimpipe] error:` line on the console and 
 from __future__ import annotations
 
 import re
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,10 @@ def test_label_missing_mid_stream_is_one_error_line_and_a_logged_traceback(shard
     errors = [line for line in output.splitlines() if line.startswith("[mimpipe] error:")]
     assert len(errors) == 1, output[-4000:]
     # The sample, the shard and the missing field, whichever pipeline message names them.
-    assert "train_00000128" in errors[0] and f"{train}/train-000002.tar" in errors[0] and ".cls" in errors[0]
+    named = re.search(r"sample (\S+) in shard (\S+) ", errors[0])
+    assert named and named[2] == f"{train}/train-000002.tar" and ".cls" in errors[0], errors[0]
+    with tarfile.open(named[2]) as tar:  # shards are read several at a time: any sample of that shard may come first
+        assert named[1] in {name.split(".")[0] for name in tar.getnames()}
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-4000:]
     assert "[mimpipe] torchrun: finetune failed: rank" in output
 
