@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import BaseModel, Field, Tag, ValidationError, model_validator
 
 from core.sections import (
     OBJECTIVES_BY_STAGE,
@@ -23,6 +23,8 @@ from core.sections import (
     MAEObjective,
     Objective,
     Section,
+    TrainSource,
+    TrainSpec,
 )
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -74,27 +76,6 @@ class ModelConfig(Section):
         if any(s % self.patch_size for s in sizes):
             raise ValueError(f"model.img_size {self.img_size} is not divisible by model.patch_size {self.patch_size}")
         return self
-
-
-class TrainSource(Section):
-    """One source of a training mixture (see `DataConfig.train`)."""
-
-    shards: str | list[str]
-    """Its shards, in any form a plain `data.train` takes (directory with index.json, brace pattern, glob, list)."""
-    weight: float = Field(1.0, gt=0.0, allow_inf_nan=False)
-    """Relative sampling weight: each next sample comes from this source with probability weight / sum of weights."""
-
-
-def _train_kind(value: Any) -> str:
-    """`mixture` for a list of sources (mappings), `shards` for a plain shard spec."""
-    is_list = isinstance(value, list | tuple)
-    return "mixture" if is_list and any(isinstance(v, dict | TrainSource) for v in value) else "shards"
-
-
-TrainSpec = Annotated[
-    Annotated[str | list[str], Tag("shards")] | Annotated[list[TrainSource], Tag("mixture")],
-    Discriminator(_train_kind),
-]
 
 
 class DataConfig(Section):

@@ -1,5 +1,6 @@
 """Recipe sections for the objectives (`objective: {kind: ...}`), the fine-tuning augmentation and distillation,
-and the strict base every section shares. core/config.py assembles them into the one typed tree."""
+the sources of a training mixture, and the strict base every section shares. core/config.py assembles them into
+the one typed tree."""
 
 from __future__ import annotations
 
@@ -164,3 +165,24 @@ Objective = Annotated[
     MAEObjective | BEiTObjective | VQVAEObjective | ClassificationObjective, Field(discriminator="kind")
 ]
 OBJECTIVES_BY_STAGE = {"pretrain": ("mae", "beit"), "finetune": ("classification",), "tokenizer": ("vqvae",)}
+
+
+class TrainSource(Section):
+    """One source of a training mixture (see `DataConfig.train`)."""
+
+    shards: str | list[str]
+    """Its shards, in any form a plain `data.train` takes (directory with index.json, brace pattern, glob, list)."""
+    weight: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    """Relative sampling weight: each next sample comes from this source with probability weight / sum of weights."""
+
+
+def _train_kind(value: Any) -> str:
+    """`mixture` for a list of sources (mappings), `shards` for a plain shard spec."""
+    is_list = isinstance(value, list | tuple)
+    return "mixture" if is_list and any(isinstance(v, dict | TrainSource) for v in value) else "shards"
+
+
+TrainSpec = Annotated[
+    Annotated[str | list[str], Tag("shards")] | Annotated[list[TrainSource], Tag("mixture")],
+    Discriminator(_train_kind),
+]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.config import Config, TrainSource, dump_config, load_config
+from core.config import Config, dump_config, load_config
 from core.engine import preempt
 from core.engine.checkpoint import RNGState, find_resume, load_checkpoint, load_states
 from core.engine.distributed import DistInfo, init_distributed, shutdown
@@ -28,6 +28,7 @@ from core.engine.setup import parallelize, resolve_attention
 from core.engine.zero_init import init_partitioned_vit
 from core.logging import MetricsLogger
 from core.models import build_vit, vit_model_args
+from core.sections import TrainSource
 from data.pipeline import make_train_loader
 from data.specs import dataset_size, describe_shards, train_sources
 
