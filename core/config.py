@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, Tag, ValidationError, model_validator
+from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from core.sections import (
     OBJECTIVES_BY_STAGE,
@@ -26,9 +27,6 @@ from core.sections import (
     TrainSource,
     TrainSpec,
 )
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class ConfigError(ValueError):
@@ -107,8 +105,8 @@ class DataConfig(Section):
     """Converts epochs to steps; default: sample count in the training shards' index.json. A mixture has none, so a
     schedule in epochs needs it set (e.g. to the main source's sample count, for epochs of the size they had
     without the other sources)."""
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
+    mean: tuple[float, float, float] = IMAGENET_DEFAULT_MEAN
+    std: tuple[float, float, float] = IMAGENET_DEFAULT_STD
     crop_scale: tuple[float, float] = (0.2, 1.0)
     """RandomResizedCrop area range (MAE pretraining: 0.2-1.0)."""
     eval_crop_pct: float = Field(0.875, gt=0.0, le=1.0)

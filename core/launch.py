@@ -64,16 +64,17 @@ def _positive(text: str, name: str) -> int:
 def parse_nnodes(text: str) -> int:
     """NNODES as torchrun takes it, N or MIN:MAX; a range must be fixed (MIN == MAX).
 
-    An elastic range is refused: a checkpoint holds per-rank data positions and ZeRO partitions for the world size
-    that wrote it, so a restart at another node count could not resume it.
+    An elastic range is refused: torchrun would restart the workers at whatever size the rendezvous reaches, and
+    each such restart would resume through the universal-checkpoint conversion (see core/engine/checkpoint.py),
+    which is made for a deliberate relaunch at another size, not for membership that changes under a running job.
     """
     low, sep, high = text.partition(":")
     num = _positive(low, "NNODES")
     if sep and _positive(high, "NNODES") != num:
         raise ValueError(
-            f"NNODES={text}: an elastic node range is not supported, since a checkpoint can only be resumed at the "
-            "world size that wrote it (per-rank data positions, ZeRO partitions). Set a fixed NNODES; MAX_RESTARTS "
-            "still restarts failed workers at that size."
+            f"NNODES={text}: an elastic node range is not supported. Set a fixed NNODES; MAX_RESTARTS still "
+            "restarts failed workers at that size, and relaunching with another NNODES resumes the run's checkpoint "
+            "at the new world size."
         )
     return num
 

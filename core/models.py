@@ -8,11 +8,11 @@ Shape legend:
     D: embedding width    gh, gw: patch grid rows, columns    N: gh * gw patches    P: prefix (cls) tokens
 """
 
-from collections.abc import Sequence
 from typing import Any
 
 import timm
 import torch
+from timm.layers import to_2tuple
 from timm.models import get_model_args
 from timm.models.vision_transformer import VisionTransformer
 
@@ -32,13 +32,6 @@ _FALLBACK_ARCHITECTURES = {
     "large": "vit_large_patch16_224",
     "huge": "vit_huge_patch14_224",
 }
-
-
-def _as_pair(size: int | Sequence[int]) -> tuple[int, int]:
-    if isinstance(size, int):
-        return size, size
-    height, width = size
-    return int(height), int(width)
 
 
 def _architecture_name(size: str, patch_size: int) -> str:
@@ -88,7 +81,7 @@ def build_vit(
     """
     if size not in VIT_SIZES:
         raise ValueError(f"Unknown ViT size {size!r}; expected one of {sorted(VIT_SIZES)}")
-    height, width = _as_pair(img_size)
+    height, width = to_2tuple(img_size)
     if height % patch_size or width % patch_size:
         raise ValueError(f"img_size {(height, width)} is not divisible by patch_size {patch_size}")
     dims = VIT_SIZES[size]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from timm.layers import resample_abs_pos_embed, resample_patch_embed
+from timm.layers import resample_abs_pos_embed, resample_patch_embed, to_2tuple
 from timm.models import VisionTransformer
 
 from core.models import sincos_pos_embed_2d
@@ -275,7 +275,7 @@ def _source_grid(
     (a patch-size change), a square."""
     args = config.get("model_args", {})
     if "img_size" in args and "patch_size" in args:
-        img, patch = (_pair(args[k]) for k in ("img_size", "patch_size"))
+        img, patch = (to_2tuple(args[k]) for k in ("img_size", "patch_size"))
         candidates = [(img[0] // patch[0], img[1] // patch[1])]
     else:
         img = model.patch_embed.img_size
@@ -342,10 +342,6 @@ def _init_heads(model: VisionTransformer, encoder_state: dict[str, torch.Tensor]
 def _num_pos_prefix(model: VisionTransformer) -> int:
     """Prefix (cls / dist / register) tokens that carry a position embedding; grid positions follow them."""
     return 0 if model.no_embed_class else model.num_prefix_tokens
-
-
-def _pair(value: int | list[int]) -> tuple[int, int]:
-    return (value, value) if isinstance(value, int) else (value[0], value[1])
 
 
 def _summarise(keys: list[str], limit: int = 8) -> list[str]:
