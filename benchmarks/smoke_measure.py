@@ -1,4 +1,4 @@
-"""What one launched recipe run cost and left behind, for benchmarks/smoke_recipes.py: the process tree's peak memory
+"""What one launched recipe run cost and left behind, for benchmarks/smoke_recipes.py: its processes' peak memory
 and the CPU other processes took meanwhile, the time of its last step, whether its export loads strictly into plain
 timm with the recipe's shapes, and its memory estimated beforehand."""
 
@@ -23,19 +23,24 @@ REPO = Path(__file__).resolve().parents[1]
 POLL_SECONDS = 0.5
 
 
-def _tree_pss(root: psutil.Process) -> int:
-    """Summed proportional set size of `root` and its descendants (shared pages counted once overall)."""
-    total = 0
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident set size so far (the kernel's VmHWM, bytes); 0 once it is gone."""
     try:
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
         return 0
-    for process in processes:
-        try:
-            total += process.memory_full_info().pss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return total
+    line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), "VmHWM: 0 kB")
+    return int(line.split()[1]) * 1024
+
+
+def _poll_peaks(root: psutil.Process, peaks: dict[int, int]) -> None:
+    """Update `peaks` (pid -> peak RSS) for `root` and every descendant alive now."""
+    try:
+        pids = [root.pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return
+    for pid in pids:
+        peaks[pid] = max(peaks.get(pid, 0), _peak_rss(pid))
 
 
 def _yield_to_others() -> None:
@@ -49,18 +54,22 @@ def _busy_cpu_seconds() -> float:
 
 
 def launch(recipe: Path, overrides: list[str], log_path: Path, *, timeout: float) -> dict:
-    """`./launch.sh recipe overrides` with one process, output to `log_path`, polling the tree's memory.
+    """`./launch.sh recipe overrides` with one process, output to `log_path`, polling each process's peak memory.
+
+    Peaks are the kernel's per-process high-water marks (VmHWM), read every `POLL_SECONDS`: cheap to read, and no
+    short peak between two polls is missed (only what a process adds in its last fraction of a second).
 
     Returns:
-        {"exit_code", "wall_seconds", "tree_peak_bytes" (peak summed PSS of the process tree), "others_load" (share
-        of the machine's CPU time used by other processes meanwhile)}. A run past `timeout` is killed (its whole
-        process group) with exit code -9.
+        {"exit_code", "wall_seconds", "peak_rss_bytes" (the largest process's peak: the rank), "tree_rss_bytes"
+        (the sum of every process's peak: torchrun, rank, data workers; an upper bound, as the peaks need not
+        coincide and pages shared after a fork count in each), "others_load" (share of the machine's CPU time used
+        by other processes meanwhile)}. A run past `timeout` is killed (its whole process group): exit code -9.
     """
     env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "1", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     command = [str(REPO / "launch.sh"), str(recipe), *overrides]
     start, busy, own = time.monotonic(), _busy_cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    peak = 0
+    peaks: dict[int, int] = {}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -68,7 +77,7 @@ def launch(recipe: Path, overrides: list[str], log_path: Path, *, timeout: float
         )  # fmt: skip
         root = psutil.Process(proc.pid)
         while proc.poll() is None:
-            peak = max(peak, _tree_pss(root))
+            _poll_peaks(root, peaks)
             if time.monotonic() - start > timeout:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -77,7 +86,13 @@ def launch(recipe: Path, overrides: list[str], log_path: Path, *, timeout: float
     used = resource.getrusage(resource.RUSAGE_CHILDREN)  # the whole tree: each level waits for its children
     own_seconds = used.ru_utime + used.ru_stime - own.ru_utime - own.ru_stime
     others = max(0.0, _busy_cpu_seconds() - busy - own_seconds) / (wall * psutil.cpu_count())
-    return {"exit_code": proc.returncode, "wall_seconds": wall, "tree_peak_bytes": peak, "others_load": others}
+    return {
+        "exit_code": proc.returncode,
+        "wall_seconds": wall,
+        "peak_rss_bytes": max(peaks.values(), default=0),
+        "tree_rss_bytes": sum(peaks.values()),
+        "others_load": others,
+    }
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -10,8 +10,8 @@ shards of ImageNet-like sizes written here, overriding only the run folder, the 
 length (2 steps, 1 warmup), the data workers and logging every step, plus the hand-off keys that chain the stages
 (`model.init`, `objective.target.path`, `distill.teacher`) and the settings a recipe's own comment asks for at its
 hand-off (BEiT's LayerScale). Per stage it reports the parameters (from the export), the time of the last step
-(without the pictures the loop draws after the step before), the peak memory (the rank's own ru_maxrss and the
-process tree's summed PSS, polled) and whether the export loads strictly into plain timm with the recipe's shapes.
+(without the pictures the loop draws after the step before), the peak resident memory (the rank's, and the sum over
+its processes) and whether the export loads strictly into plain timm with the recipe's shapes.
 tests/dist/test_recipes_at_size.py runs `CI_CHAINS` the same way.
 """
 
@@ -108,8 +108,10 @@ class StageResult:
     """None: not run (see `error`)."""
     wall_seconds: float = 0.0
     step_seconds: float | None = None
-    rank_peak_gib: float | None = None
-    tree_peak_gib: float = 0.0
+    peak_rss_gib: float | None = None
+    """Peak resident memory of the largest process (the rank), the whole run long (export included)."""
+    tree_rss_gib: float | None = None
+    """Sum of the peaks of every process of the run (torchrun, rank, data workers): an upper bound."""
     others_load: float | None = None
     """Share of the machine's CPU time other processes used while the stage ran (high: step times unreliable)."""
     num_params: int | None = None
@@ -232,7 +234,8 @@ def run_stage(chain: str, stage: Stage, root: Path, shards: dict, exports: dict,
     print(f"[smoke] {chain}: ./launch.sh recipes/{recipe.name} {' '.join(overrides)}", flush=True)
     run = launch(recipe, overrides, run_dir / "launch.log", timeout=options.timeout)
     result = StageResult(chain, stage, cfg, run_dir, exit_code=run["exit_code"], wall_seconds=run["wall_seconds"])
-    result.tree_peak_gib, result.others_load = run["tree_peak_bytes"] / 2**30, run["others_load"]
+    result.peak_rss_gib, result.tree_rss_gib = run["peak_rss_bytes"] / 2**30, run["tree_rss_bytes"] / 2**30
+    result.others_load = run["others_load"]
     read_back(result)
     if result.ok:
         exports[stage.recipe] = run_dir / "export"
@@ -243,8 +246,6 @@ def run_stage(chain: str, stage: Stage, root: Path, shards: dict, exports: dict,
 def read_back(result: StageResult) -> None:
     """Fill in what the run left: peak memory and step time from its metrics, the export's checks, or the error."""
     metrics = read_metrics(result.run_dir)
-    memory = [m["perf/max_memory_gb"] for m in metrics if "perf/max_memory_gb" in m]
-    result.rank_peak_gib = max(memory) if memory else None
     result.step_seconds = last_step_seconds(result.run_dir)
     if result.exit_code != 0:
         killed = " (killed: timeout or out of memory)" if result.exit_code in (-9, 137) else ""
@@ -295,10 +296,10 @@ def render_row(r: StageResult) -> str:
     export = "ok" if r.ok else r.error
     engine = f"ZeRO-{r.cfg.engine.zero_stage} {r.cfg.engine.precision}"
     others = "-" if r.others_load is None else f"{r.others_load:.0%}"
+    wall = "-" if r.exit_code is None else f"{r.wall_seconds:.0f}"
     return (
         f"| {r.chain} | {r.stage.recipe} | {_describe(r.cfg)} | {engine} | {params} | {step} | "
-        f"{_gib(r.rank_peak_gib)} / {_gib(r.tree_peak_gib if r.exit_code is not None else None)} | "
-        f"{r.wall_seconds:.0f} | {others} | {export} |"
+        f"{_gib(r.peak_rss_gib)} / {_gib(r.tree_rss_gib)} | {wall} | {others} | {export} |"
     )
 
 
@@ -317,13 +318,15 @@ def render(results: list[StageResult], argv: list[str]) -> str:
         f"- command: `{' '.join(['python', 'benchmarks/smoke_recipes.py', *argv])}`",
         "- each stage: `./launch.sh RECIPE` with 1 process, global batch 2, 2 steps (1 warmup), 1 data worker, on "
         f"224 px JPEG shards ({NUM_CLASSES} classes); everything else as the recipe says",
-        "- s/step: the second step, without the pictures drawn after the first; peak GiB: the rank's ru_maxrss / the "
-        "whole process tree's summed PSS (torchrun, rank, data workers; polled every 0.5 s); wall: the whole launch",
+        "- s/step: the second step, without the pictures drawn after the first; peak RSS: the rank's (the kernel's "
+        "VmHWM, the whole run long, export included) / the sum of every process's peak (torchrun, rank, data worker; "
+        "an upper bound); wall: the whole launch; others' load: share of the machine's CPU time other processes used "
+        "meanwhile (above ~20% the times mean little)",
         "- export ok: the run exited 0 with 2 finite losses, and its export loads into plain timm "
         "(`load_state_dict(strict=True)`; the tokenizer through `load_tokenizer`) with the recipe's pos_embed, "
         "patch kernel and head shapes",
         "",
-        "| chain | recipe | model | engine | parameters | s/step | peak GiB (rank / tree) | wall s | others' load "
+        "| chain | recipe | model | engine | parameters | s/step | peak RSS GiB (rank / all) | wall s | others' load "
         "| export |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---|",
         *(render_row(r) for r in results),

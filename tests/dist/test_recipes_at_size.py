@@ -14,7 +14,16 @@ import safetensors.torch
 import torch
 
 from benchmarks.smoke_measure import read_metrics
-from benchmarks.smoke_recipes import CHAINS, CI_CHAINS, RECIPES, Options, run_chain, write_jpeg_shards
+from benchmarks.smoke_recipes import (
+    CHAINS,
+    CI_CHAINS,
+    RECIPES,
+    Options,
+    run_chain,
+    stage_overrides,
+    write_jpeg_shards,
+)
+from core.config import load_config
 from core.models import sincos_pos_embed_2d
 
 pytestmark = pytest.mark.dist
@@ -64,6 +73,31 @@ def test_every_published_recipe_runs_in_some_chain():
     chained = {stage.recipe for stages in CHAINS.values() for stage in stages}
     assert chained == published
     assert all(stages == CHAINS[name][: len(stages)] for name, stages in CI_CHAINS.items())
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out |= _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+    return out
+
+
+@pytest.mark.parametrize("name", CHAINS)
+def test_each_stage_overrides_only_data_length_batch_workers_logging_and_its_hand_off(name, tmp_path):
+    shards = {"train": tmp_path / "train", "val": tmp_path / "val"}
+    exports = {stage.recipe: tmp_path / stage.recipe / "export" for stage in CHAINS[name]}
+    allowed = {"run_dir", "data.train", "data.val", "data.global_batch_size", "data.num_workers", "logging.every_steps"}
+    for stage in CHAINS[name]:
+        recipe = RECIPES / f"{stage.recipe}.yaml"
+        own = load_config(recipe)
+        cfg = load_config(recipe, stage_overrides(stage, own, tmp_path / stage.recipe, shards, exports, batch=2))
+        assert cfg.steps(samples_per_epoch=None) == (2, 1) and cfg.data.global_batch_size == 2
+        hand_off = {key for key, _ in stage.takes} | {s.split("=")[0] for s in stage.settings}
+        before, after = _flat(own.model_dump(mode="json")), _flat(cfg.model_dump(mode="json"))
+        changed = {key for key in before if before[key] != after[key] and not key.startswith("schedule.")}
+        assert changed <= allowed | hand_off, (stage.recipe, changed - allowed - hand_off)
+        for key, source in stage.takes:
+            assert after[key] == str(exports[source])
 
 
 def test_mae_vitb_pretrains_at_size_and_exports_its_sincos_grid(mae_chain):
