@@ -149,8 +149,12 @@ def _draw(rng: np.random.Generator, label: int, size: tuple[int, int]) -> bytes:
 
 def write_jpeg_shards(root: Path, *, num_train: int = 48, num_val: int = 16, shard_size: int = 16) -> dict[str, Path]:
     """Train and val shards of JPEGs (ImageNet-like sizes, `IMAGE_SIZES` in turn) labelled `.cls` out of
-    `NUM_CLASSES` classes (labels spread over the whole range). Returns {"train": dir, "val": dir}; a split whose
-    index.json is already there (written last, so the shards are complete) is kept."""
+    `NUM_CLASSES` classes (spread over the whole range; the val labels are among the train labels).
+
+    Returns:
+        {"train": dir, "val": dir}. A split whose index.json is already there (written last, so its shards are
+        complete) is kept as it is.
+    """
     classes = [f"class_{k:04d}" for k in range(NUM_CLASSES)]
     out = {}
     for split, count, seed in (("train", num_train, 0), ("val", num_val, 1)):
