@@ -30,7 +30,8 @@ pytestmark = pytest.mark.dist
 
 VIT_B_POS_EMBED = [1, 197, 768]  # cls token + 14x14 patches of 16 px at 224 px
 VIT_B_PATCH_KERNEL = [768, 3, 16, 16]
-TIMEOUT = 900  # per stage; a stage takes about a minute on 2 idle cores
+# Per stage (about a minute on 2 idle cores); no memory kept back for others: CI runs alone.
+OPTIONS = Options(timeout=900, memory_margin_gib=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def jpeg_shards(tmp_path_factory) -> dict[str, Path]:
 
 
 def _run(name: str, jpeg_shards, tmp_path_factory) -> dict:
-    results = run_chain(name, tmp_path_factory.mktemp(name), jpeg_shards, Options(timeout=TIMEOUT), CI_CHAINS[name])
+    results = run_chain(name, tmp_path_factory.mktemp(name), jpeg_shards, OPTIONS, CI_CHAINS[name])
     for result in results:
         log = (result.run_dir / "launch.log").read_text() if (result.run_dir / "launch.log").is_file() else ""
         assert result.ok, f"{name} / {result.stage.recipe}: {result.error}\n{log[-4000:]}"
