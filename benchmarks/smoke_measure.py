@@ -59,13 +59,14 @@ def launch(recipe: Path, overrides: list[str], log_path: Path, *, timeout: float
     """`./launch.sh recipe overrides` with one process, output to `log_path`, polling each process's peak memory.
 
     Peaks are the kernel's per-process high-water marks (VmHWM), read every `POLL_SECONDS`: cheap to read, and no
-    short peak between two polls is missed (only what a process adds in its last fraction of a second).
+    short peak between two polls is missed (only what a process adds in its last fraction of a second). The run's
+    peak is its largest process's, the rank's: its data workers are forked from it and share its pages, which a sum
+    of resident sets would count once per worker (summed PSS would not, but reading it costs a core at this rate).
 
     Returns:
-        {"exit_code", "wall_seconds", "peak_rss_bytes" (the largest process's peak: the rank), "tree_rss_bytes"
-        (the sum of every process's peak: torchrun, rank, data workers; an upper bound, as the peaks need not
-        coincide and pages shared after a fork count in each), "others_load" (share of the machine's CPU time used
-        by other processes meanwhile)}. A run past `timeout` is killed (its whole process group): exit code -9.
+        {"exit_code", "wall_seconds", "peak_rss_bytes" (the largest process's peak), "others_load" (share of the
+        machine's CPU time used by other processes meanwhile)}. A run past `timeout` is killed (its whole process
+        group): exit code -9.
     """
     env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "1", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -92,7 +93,6 @@ def launch(recipe: Path, overrides: list[str], log_path: Path, *, timeout: float
         "exit_code": proc.returncode,
         "wall_seconds": wall,
         "peak_rss_bytes": max(peaks.values(), default=0),
-        "tree_rss_bytes": sum(peaks.values()),
         "others_load": others,
     }
 

@@ -10,8 +10,8 @@ shards of ImageNet-like sizes written here, overriding only the run folder, the 
 length (2 steps, 1 warmup), the data workers and logging every step, plus the hand-off keys that chain the stages
 (`model.init`, `objective.target.path`, `distill.teacher`) and the settings a recipe's own comment asks for at its
 hand-off (BEiT's LayerScale). Per stage it reports the parameters (from the export), the time of the last step
-(without the pictures the loop draws after the step before), the peak resident memory (the rank's, and the sum over
-its processes) and whether the export loads strictly into plain timm with the recipe's shapes.
+(without the pictures the loop draws after the step before), the rank's peak resident memory and whether the
+export loads strictly into plain timm with the recipe's shapes (benchmarks/smoke_measure.py measures them).
 tests/dist/test_recipes_at_size.py runs `CI_CHAINS` the same way.
 """
 
@@ -109,9 +109,7 @@ class StageResult:
     wall_seconds: float = 0.0
     step_seconds: float | None = None
     peak_rss_gib: float | None = None
-    """Peak resident memory of the largest process (the rank), the whole run long (export included)."""
-    tree_rss_gib: float | None = None
-    """Sum of the peaks of every process of the run (torchrun, rank, data workers): an upper bound."""
+    """Peak resident memory of the run's largest process (the rank), the whole run long (export included)."""
     others_load: float | None = None
     """Share of the machine's CPU time other processes used while the stage ran (high: step times unreliable)."""
     num_params: int | None = None
@@ -238,8 +236,7 @@ def run_stage(chain: str, stage: Stage, root: Path, shards: dict, exports: dict,
     print(f"[smoke] {chain}: ./launch.sh recipes/{recipe.name} {' '.join(overrides)}", flush=True)
     run = launch(recipe, overrides, run_dir / "launch.log", timeout=options.timeout)
     result = StageResult(chain, stage, cfg, run_dir, exit_code=run["exit_code"], wall_seconds=run["wall_seconds"])
-    result.peak_rss_gib, result.tree_rss_gib = run["peak_rss_bytes"] / 2**30, run["tree_rss_bytes"] / 2**30
-    result.others_load = run["others_load"]
+    result.peak_rss_gib, result.others_load = run["peak_rss_bytes"] / 2**30, run["others_load"]
     read_back(result)
     if result.ok:
         exports[stage.recipe] = run_dir / "export"
@@ -303,7 +300,7 @@ def render_row(r: StageResult) -> str:
     wall = "-" if r.exit_code is None else f"{r.wall_seconds:.0f}"
     return (
         f"| {r.chain} | {r.stage.recipe} | {_describe(r.cfg)} | {engine} | {params} | {step} | "
-        f"{_gib(r.peak_rss_gib)} / {_gib(r.tree_rss_gib)} | {wall} | {others} | {export} |"
+        f"{_gib(r.peak_rss_gib)} | {wall} | {others} | {export} |"
     )
 
 
@@ -322,16 +319,15 @@ def render(results: list[StageResult], argv: list[str]) -> str:
         f"- command: `{' '.join(['python', 'benchmarks/smoke_recipes.py', *argv])}`",
         "- each stage: `./launch.sh RECIPE` with 1 process, global batch 2, 2 steps (1 warmup), 1 data worker, on "
         f"224 px JPEG shards ({NUM_CLASSES} classes); everything else as the recipe says",
-        "- s/step: the second step, without the pictures drawn after the first; peak RSS: the rank's (the kernel's "
-        "VmHWM, the whole run long, export included) / the sum of every process's peak (torchrun, rank, data worker; "
-        "an upper bound); wall: the whole launch; others' load: share of the machine's CPU time other processes used "
-        "meanwhile (above ~20% the times mean little)",
+        "- s/step: the second step, without the pictures drawn after the first; peak RSS: the largest process's, the "
+        "rank's (the kernel's VmHWM, the whole run long, checkpoint and export included; its data worker is forked "
+        "from it and shares its pages); wall: the whole launch; others' load: share of the machine's CPU time other "
+        "processes used meanwhile (above ~20% the times mean little)",
         "- export ok: the run exited 0 with 2 finite losses, and its export loads into plain timm "
         "(`load_state_dict(strict=True)`; the tokenizer through `load_tokenizer`) with the recipe's pos_embed, "
         "patch kernel and head shapes",
         "",
-        "| chain | recipe | model | engine | parameters | s/step | peak RSS GiB (rank / all) | wall s | others' load "
-        "| export |",
+        "| chain | recipe | model | engine | parameters | s/step | peak RSS GiB | wall s | others' load | export |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---|",
         *(render_row(r) for r in results),
         "",
