@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,12 +36,19 @@ OPTIONS = Options(timeout=900, memory_margin_gib=0.0)
 
 
 @pytest.fixture(scope="module")
-def jpeg_shards(tmp_path_factory) -> dict[str, Path]:
-    return write_jpeg_shards(tmp_path_factory.mktemp("jpeg_shards"))
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipes_at_size")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)  # ~5 GB of ViT-B checkpoints and exports
 
 
-def _run(name: str, jpeg_shards, tmp_path_factory) -> dict:
-    results = run_chain(name, tmp_path_factory.mktemp(name), jpeg_shards, OPTIONS, CI_CHAINS[name])
+@pytest.fixture(scope="module")
+def jpeg_shards(work) -> dict[str, Path]:
+    return write_jpeg_shards(work / "shards")
+
+
+def _run(name: str, jpeg_shards, work: Path) -> dict:
+    results = run_chain(name, work, jpeg_shards, OPTIONS, CI_CHAINS[name])
     for result in results:
         log = (result.run_dir / "launch.log").read_text() if (result.run_dir / "launch.log").is_file() else ""
         assert result.ok, f"{name} / {result.stage.recipe}: {result.error}\n{log[-4000:]}"
@@ -48,13 +56,13 @@ def _run(name: str, jpeg_shards, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def mae_chain(jpeg_shards, tmp_path_factory) -> dict:
-    return _run("mae_vitb", jpeg_shards, tmp_path_factory)
+def mae_chain(jpeg_shards, work) -> dict:
+    return _run("mae_vitb", jpeg_shards, work)
 
 
 @pytest.fixture(scope="module")
-def beit_chain(jpeg_shards, tmp_path_factory) -> dict:
-    return _run("beit_vitb", jpeg_shards, tmp_path_factory)
+def beit_chain(jpeg_shards, work) -> dict:
+    return _run("beit_vitb", jpeg_shards, work)
 
 
 def _losses(run_dir: Path) -> list[float]:
