@@ -76,7 +76,7 @@ bench: install
 bench-memory: install
 	$(PY) benchmarks/bench_memory.py
 
-# Every published recipe at its real size, 2 steps of batch 2 each, chained through its exports (~1 h on 2 cores):
+# Every published recipe at its real size, 2 steps of batch 2 each, chained through its exports (~30 min, 2 cores):
 # benchmarks/results/smoke_recipes.md. A stage that would not fit in the free memory is listed as not run.
 smoke-recipes: install
 	$(PY) benchmarks/smoke_recipes.py
