@@ -1,4 +1,4 @@
-# mimpipe: make quickstart | make test | make lint | make bench | make bench-memory
+# mimpipe: make quickstart | make test | make lint | make bench | make bench-memory | make smoke-recipes
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
@@ -6,7 +6,8 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 # torch/torchvision are pinned here (not in pyproject) to the build this machine serves from its own disk.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install quickstart quickstart-beit quickstart-data test test-unit test-dist lint format bench bench-memory
+.PHONY: install quickstart quickstart-beit quickstart-data test test-unit test-dist lint format bench bench-memory \
+	smoke-recipes
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -74,3 +75,8 @@ bench: install
 
 bench-memory: install
 	$(PY) benchmarks/bench_memory.py
+
+# Every published recipe at its real size, 2 steps of batch 2 each, chained through its exports (~30 min, 2 cores):
+# benchmarks/results/smoke_recipes.md. A stage that would not fit in the free memory is listed as not run.
+smoke-recipes: install
+	$(PY) benchmarks/smoke_recipes.py

@@ -1,0 +1,211 @@
+"""What one launched recipe run cost and left behind, for benchmarks/smoke_recipes.py: its processes' peak memory
+and the CPU other processes took meanwhile, the time of its last step, whether its export loads strictly into plain
+timm with the recipe's shapes, and its memory estimated beforehand."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from core.config import Config
+from core.models import VIT_SIZES
+
+REPO = Path(__file__).resolve().parents[1]
+POLL_SECONDS = 0.5
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident set size so far (the kernel's VmHWM, bytes); 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), "VmHWM: 0 kB")
+    return int(line.split()[1]) * 1024
+
+
+def _poll_peaks(root: psutil.Process, peaks: dict[int, int]) -> None:
+    """Update `peaks` (pid -> peak RSS) for `root` and every descendant alive now."""
+    try:
+        pids = [root.pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return
+    for pid in pids:
+        peaks[pid] = max(peaks.get(pid, 0), _peak_rss(pid))
+
+
+def _yield_to_others() -> None:
+    """In the launched tree: be the out-of-memory killer's first choice, not another user's process."""
+    Path("/proc/self/oom_score_adj").write_text("1000")
+
+
+def _busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores, every process; guest time is already
+    counted in user time), as bench_engine.py counts it."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+
+
+def launch(recipe: Path, overrides: list[str], log_path: Path, *, timeout: float) -> dict:
+    """`./launch.sh recipe overrides` with one process, output to `log_path`, polling each process's peak memory.
+
+    Peaks are the kernel's per-process high-water marks (VmHWM), read every `POLL_SECONDS`: cheap to read, and no
+    short peak between two polls is missed (only what a process adds in its last fraction of a second). The run's
+    peak is its largest process's, the rank's: its data workers are forked from it and share its pages, which a sum
+    of resident sets would count once per worker (summed PSS would not, but reading it costs a core at this rate).
+
+    Returns:
+        {"exit_code", "wall_seconds", "peak_rss_bytes" (the largest process's peak), "others_load" (share of the
+        machine's CPU time used by other processes meanwhile)}. A run past `timeout` is killed (its whole process
+        group): exit code -9.
+    """
+    env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "1", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    command = [str(REPO / "launch.sh"), str(recipe), *overrides]
+    start, busy, own = time.monotonic(), _busy_cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    peaks: dict[int, int] = {}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_yield_to_others,
+        )  # fmt: skip
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            _poll_peaks(root, peaks)
+            if time.monotonic() - start > timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            time.sleep(POLL_SECONDS)
+    wall = time.monotonic() - start
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)  # the whole tree: each level waits for its children
+    own_seconds = used.ru_utime + used.ru_stime - own.ru_utime - own.ru_stime
+    others = max(0.0, _busy_cpu_seconds() - busy - own_seconds) / (wall * psutil.cpu_count())
+    return {
+        "exit_code": proc.returncode,
+        "wall_seconds": wall,
+        "peak_rss_bytes": max(peaks.values(), default=0),
+        "others_load": others,
+    }
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _event_times(tb_dir: Path, step: int) -> list[float]:
+    """Wall times of every TensorBoard event logged at `step` (scalars, pictures, text)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    times = []
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        times += [e.wall_time for e in EventFileLoader(str(path)).Load() if e.step == step]
+    return times
+
+
+def last_step_seconds(run_dir: Path) -> float | None:
+    """Seconds of the last training step: from the last thing logged at the step before (its scalars, and the
+    pictures the loop draws after them) to the last step's own scalars. None with fewer than 2 logged steps."""
+    logged = [m for m in read_metrics(run_dir) if "train/loss" in m]
+    if len(logged) < 2:
+        return None
+    before, last = logged[-2], logged[-1]
+    start = max([before["time"], *_event_times(run_dir / "tb", before["step"])])
+    return last["time"] - start
+
+
+def _expected_shapes(cfg: Config, num_classes: int) -> dict[str, list[int]]:
+    """The export's key tensors as the recipe's model has them."""
+    m = cfg.model
+    width = m.embed_dim or VIT_SIZES[m.size]["embed_dim"]
+    prefix = 2 if cfg.stage == "finetune" and cfg.distill.kind != "none" else 1  # DeiT: class + distillation token
+    shapes = {
+        "pos_embed": [1, prefix + math.prod(m.grid), width],
+        "patch_embed.proj.weight": [width, 3, m.patch_size, m.patch_size],
+    }
+    if num_classes:
+        shapes["head.weight"] = [num_classes, width]
+    return shapes
+
+
+def check_export(export_dir: Path, cfg: Config, num_classes: int) -> dict:
+    """Load the export the way its user does and compare its shapes with the recipe's (a fine-tuned model's head
+    with `num_classes`).
+
+    A ViT export is built from its config.json by plain timm and loaded with `load_state_dict(strict=True)`; a
+    tokenizer export is rebuilt by `load_tokenizer`, which loads strictly too.
+
+    Returns:
+        {"loader", "num_params", "shapes": {key: shape} of the checked tensors, "problems": [...]}.
+    """
+    import safetensors.torch
+    import timm
+
+    if cfg.stage == "tokenizer":
+        from pretrain.tokenizer import load_tokenizer
+
+        model = load_tokenizer(export_dir)
+        grid, want = list(model.grid), [cfg.objective.img_size // cfg.objective.downsample] * 2
+        problems = [] if grid == want else [f"code grid {grid}, recipe {want}"]
+        num_params = sum(p.numel() for p in model.parameters())
+        return {"loader": "load_tokenizer", "num_params": num_params, "shapes": {"grid": grid}, "problems": problems}
+    model = timm.create_model(f"local-dir:{export_dir}", pretrained=False)
+    model.load_state_dict(safetensors.torch.load_file(export_dir / "model.safetensors"), strict=True)
+    state = model.state_dict()
+    want = _expected_shapes(cfg, num_classes if cfg.stage == "finetune" else 0)
+    shapes = {key: list(state[key].shape) if key in state else None for key in want}
+    problems = [f"{key}: export {shapes[key]}, recipe {shape}" for key, shape in want.items() if shapes[key] != shape]
+    num_params = sum(p.numel() for p in model.parameters())
+    loader = f"timm.create_model('local-dir:...') + load_state_dict(strict=True): {type(model).__name__}"
+    return {"loader": loader, "num_params": num_params, "shapes": shapes, "problems": problems}
+
+
+def parameter_counts(cfg: Config, num_classes: int) -> tuple[int, int]:
+    """(all, trained) parameters of what the stage's process trains (a fine-tuned model with a `num_classes` head),
+    counted on the meta device."""
+    import torch
+
+    if cfg.stage == "tokenizer":
+        from pretrain.train_tokenizer import build_tokenizer
+
+        build = lambda: build_tokenizer(cfg)  # noqa: E731
+    elif cfg.stage == "pretrain":
+        from pretrain.objectives import objective_builder
+
+        build = objective_builder(cfg)  # a tokenizer target is loaded here, outside the meta device
+    else:
+        from core.engine.stage import build_model
+        from finetune.probe_ema import make_linear_probe
+
+        def build():
+            model = build_model(cfg, num_classes=num_classes, plain=True)
+            return make_linear_probe(model) if cfg.objective.mode == "linear_probe" else model
+
+    with torch.device("meta"):
+        module = build()
+    params = list(module.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def estimated_peak_gib(cfg: Config, num_classes: int) -> float:
+    """A stage's peak memory on one process, estimated before it starts: 4 bytes per parameter for the weights, 20
+    per trained parameter (gradient, AdamW's two moments, DeepSpeed's fp32 partition and gradient partition, all
+    fp32 at world size 1), the weights of a distillation teacher of the same size, and 2.5 GiB for libraries,
+    batch-2 activations and buffers.
+
+    Measured against it (results/smoke_recipes.md, peaks including the checkpoint and export at the end): the ViT-B
+    stages 3.2-4.2 GiB (estimated 4.4-5.0), MAE ViT-L 10.7 (9.9), fine-tuning ViT-L 9.0 (9.3), the ViT-L linear
+    probe 5.4 (3.7: its export copies the frozen weights twice); MAE ViT-H at ZeRO-2 (17.2 estimated) had reached
+    16.7 GiB in its second step when it was stopped. `Options.memory_margin_gib` covers what it misses."""
+    total, trained = parameter_counts(cfg, num_classes)
+    teacher = total if cfg.stage == "finetune" and cfg.distill.kind != "none" else 0
+    return (4 * (total + teacher) + 20 * trained) / 2**30 + 2.5
