@@ -22,7 +22,6 @@ Shapes: B batch size, H/W image height/width after the transform.
 
 import contextlib
 import glob
-import io
 import itertools
 import logging
 import os
@@ -39,6 +38,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.gopen import gopen_schemes
 
+from data.decode import decode_rgb
 from data.write import INDEX_FILE, read_index
 
 log = logging.getLogger(__name__)
@@ -317,8 +317,7 @@ def _decode(
         if ext is None or "cls" not in sample:
             raise ValueError(f"sample {key} in shard {url} needs an image and a .cls entry, has {sorted(sample)}")
         try:
-            with Image.open(io.BytesIO(sample[ext])) as img:
-                image = img.convert("RGB")
+            image = getattr(transform, "decode", decode_rgb)(sample[ext])  # a transform may decode its own input
         except _CORRUPT_IMAGE_ERRORS as exn:
             log.warning("skipping corrupt image of sample %s in shard %s: %s", key, url, exn)
             num_corrupt += 1
