@@ -1,4 +1,4 @@
-# mimpipe: make quickstart | make test | make lint | make bench | make bench-memory
+# mimpipe: make quickstart | make test | make lint | make bench | make bench-memory | make bench-data
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
@@ -6,7 +6,7 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 # torch/torchvision are pinned here (not in pyproject) to the build this machine serves from its own disk.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install quickstart quickstart-beit quickstart-data test test-unit test-dist lint format bench bench-memory
+.PHONY: install quickstart quickstart-beit quickstart-data test test-unit test-dist lint format bench bench-memory bench-data
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -74,3 +74,8 @@ bench: install
 
 bench-memory: install
 	$(PY) benchmarks/bench_memory.py
+
+# The data path at 224 px: images/s per DataLoader worker, torchvision ImageFolder against our loader with the old
+# (torchvision PIL) and the new (data/transforms.py CropFlip) transform, on generated ImageNet-like JPEGs (~10 minutes).
+bench-data: install
+	$(PY) benchmarks/bench_data.py
