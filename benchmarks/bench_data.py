@@ -95,6 +95,8 @@ def build_dataset(root: Path, num_images: int, num_classes: int) -> dict:
     """Writes the JPEGs as an ImageFolder tree (`root/folder/cNN/*.jpg`) and as shards (`root/shards`), once."""
     info_path = root / "dataset.json"
     if info_path.is_file() and json.loads(info_path.read_text())["num_images"] == num_images:
+        for path in root.rglob("*.*"):  # into the page cache, so that neither loader waits for the disk
+            path.read_bytes()
         return json.loads(info_path.read_text())
     rng, samples, sizes = np.random.default_rng(0), [], []
     for i in range(num_images):
@@ -179,11 +181,8 @@ def stage_profile(root: Path, count: int, batch: int) -> list[tuple[str, str, fl
     for name in LOADERS:
         batches = iter(make_loader(name, root, 0, batch, seed=0))
         next(batches)  # ours: fills the shuffle buffer
-        num_batches = max(1, count // batch)
-        start = time.process_time()
-        for _ in range(num_batches):
-            next(batches)
-        rows.append((name, "whole loader, num_workers=0", (time.process_time() - start) / (num_batches * batch) * 1e3))
+        ms_per_batch = per_image_ms(lambda _, it=batches: next(it), max(2, count // batch))
+        rows.append((name, "whole loader, num_workers=0", ms_per_batch / batch))
     return rows
 
 
@@ -331,17 +330,34 @@ def environment(args: argparse.Namespace, info: dict, loads: tuple) -> list[str]
     ]
 
 
+THROUGHPUT_NOTES = [
+    "images/s: whole loader, median over rounds; per worker: that over the worker count, median, and each round's "
+    "value. images per worker CPU-s: images over the CPU time the workers used, median (less sensitive to other "
+    "processes than wall time, which they delay). vs ImageFolder: median over rounds of each round's ratio to the "
+    "ImageFolder loader with as many workers (wall-clock images/s, then images per worker CPU-second). others' "
+    "load: share of the machine's CPU time that other processes used while timing, the worst round; with 2 cores, "
+    "2 workers and the main process already fill the machine.",
+]
+WORKERS_NOTES = [
+    "Workers one GPU needs to be fed at its published MAE pretraining rate: that rate over one worker's images/s "
+    "(1-worker runs above; in brackets over images per worker CPU-second, what a worker with a core to itself "
+    "would do). ImageNet-1k has 1,281,167 training images. A worker needs a core of its own: on a GPU host, add "
+    "one core per GPU for the training process.",
+]
+
+
 def report(args, info, loads, stages, stats) -> str:
     lines = ["# Data path at 224 px", "", *environment(args, info, loads), "", "## Where the time goes", ""]
     lines += [
-        "CPU time on one thread in this process, best of 3 passes over the first images; loaders with num_workers=0.",
+        "CPU time on one thread in this process, best of 3 passes over the first images; each loader with "
+        "num_workers=0, best of 3 passes of as many images.",
         "",
         "| path | stage | CPU ms per image |",
         "|---|---|---:|",
     ]
     lines += [f"| {path} | {stage} | {ms:.3f} |" for path, stage, ms in stages]
-    lines += ["", "## Images/s per worker", "", *throughput_table(stats), ""]
-    lines += ["## Workers per GPU", "", *workers_table(stats), ""]
+    lines += ["", "## Images/s per worker", "", *throughput_table(stats), "", *THROUGHPUT_NOTES, ""]
+    lines += ["## Workers per GPU", "", *workers_table(stats), "", *WORKERS_NOTES, ""]
     return "\n".join(lines)
 
 
@@ -354,7 +370,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=4, help="batches discarded per measurement")
     parser.add_argument("--batches", type=int, default=24, help="batches timed per measurement")
-    parser.add_argument("--profile-images", type=int, default=128, help="images in the stage profile")
+    parser.add_argument("--profile-images", type=int, default=256, help="images in the stage profile")
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "mimpipe-bench-data")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "data.md")
     parser.add_argument("--malloc", choices=["tcmalloc", "glibc"], default="tcmalloc", help="as launch.sh preloads it")
