@@ -317,7 +317,7 @@ def environment(args: argparse.Namespace, info: dict, loads: tuple) -> list[str]
     return [
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         f"- CPU: {cpu}, {os.cpu_count()} cores visible; torch CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}; libjpeg-turbo {features.version('jpg')}",
+        f"{torch.backends.cpu.get_cpu_capability()}; libjpeg-turbo {features.version('libjpeg_turbo')}",
         f"- {versions}, python {platform.python_version()}",
         f"- data: {info['num_images']} generated JPEGs (quality 90, mostly 500x375, some 375x500 and 500x333, "
         f"{info['mean_kb']:.0f} KB on average), {info['num_classes']} classes; the same files as an ImageFolder tree "
