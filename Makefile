@@ -1,4 +1,5 @@
-# mimpipe: make quickstart | make test | make lint | make bench | make bench-memory | make smoke-recipes
+# mimpipe: make quickstart | make test | make lint | make bench | make bench-memory | make bench-data |
+#         make smoke-recipes
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
@@ -7,7 +8,7 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: install quickstart quickstart-beit quickstart-data test test-unit test-dist lint format bench bench-memory \
-	smoke-recipes
+	bench-data smoke-recipes
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -80,3 +81,8 @@ bench-memory: install
 # benchmarks/results/smoke_recipes.md. A stage that would not fit in the free memory is listed as not run.
 smoke-recipes: install
 	$(PY) benchmarks/smoke_recipes.py
+
+# The data path at 224 px: images/s per DataLoader worker, torchvision ImageFolder against our loader with the old
+# (torchvision PIL) and the new (data/transforms.py CropFlip) transform, on generated ImageNet-like JPEGs (~10 minutes).
+bench-data: install
+	$(PY) benchmarks/bench_data.py

@@ -332,7 +332,7 @@ def _decode(
         index += 1
         label = label_of(sample)
         try:
-            image = decode_rgb(sample[field])
+            image = getattr(transform, "decode", decode_rgb)(sample[field])  # a transform may decode its own input
         except CORRUPT_IMAGE_ERRORS as exn:
             log.warning("skipping corrupt image %s of sample %s in shard %s: %s", field, key, url, exn)
             num_corrupt += 1

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data.decode import CORRUPT_IMAGE_ERRORS, LabelError, decode_rgb, image_field, read_label
+from data.decode import CORRUPT_IMAGE_ERRORS, LabelError, decode_rgb, decode_rgb_reduced, image_field, read_label
 
 
 def _encode(img: Image.Image, fmt: str, **kwargs) -> bytes:
@@ -76,6 +76,43 @@ def test_corrupt_bytes_raise_a_corrupt_image_error():
     for bad in (b"not an image", good[: len(good) // 2]):
         with pytest.raises(CORRUPT_IMAGE_ERRORS):
             decode_rgb(bad)
+
+
+def _gradient(width: int, height: int) -> Image.Image:
+    """Red rising left to right, green top to bottom: smooth, so a reduced decode is its downscaled copy."""
+    x, y = np.meshgrid(np.linspace(0, 255, width), np.linspace(0, 255, height))  # (H, W) each
+    return Image.fromarray(np.stack([x, y, np.full_like(x, 90)], axis=-1).astype(np.uint8))
+
+
+def test_reduced_decode_scales_a_jpeg_by_what_the_caller_chooses():
+    full = _gradient(803, 601)
+    data = _encode(full, "JPEG", quality=90)
+    asked = []
+    out = decode_rgb_reduced(data, lambda w, h: asked.append((w, h)) or 4)
+    assert asked == [(803, 601)] and out.full_size == (803, 601) and out.reduction == 4
+    assert out.image.mode == "RGB" and out.image.size == (201, 151)  # ceil(803 / 4), ceil(601 / 4)
+    expected = np.asarray(full.reduce(4), dtype=np.float64)[:150, :200]  # means of the whole 4x4 blocks
+    assert np.abs(np.asarray(out.image, dtype=np.float64)[:150, :200] - expected).mean() < 0.8  # one pixel off: 1.04
+    assert decode_rgb_reduced(data, lambda w, h: 1).image.size == (803, 601)
+    assert decode_rgb_reduced(data, None).image.tobytes() == decode_rgb(data).tobytes()
+
+
+def test_reduced_decode_keeps_full_size_where_it_cannot_reduce():
+    png = decode_rgb_reduced(_encode(_gradient(64, 48), "PNG"), lambda w, h: 2)  # no DCT to scale
+    assert png.reduction == 1 and png.image.size == png.full_size == (64, 48)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated: the reduced pixel grid would not line up after orientation
+    rotated = decode_rgb_reduced(_encode(_gradient(64, 48), "JPEG", exif=exif), lambda w, h: 2)
+    assert rotated.reduction == 1 and rotated.image.size == rotated.full_size == (48, 64)
+    grey = decode_rgb_reduced(_encode(_gradient(64, 48).convert("L"), "JPEG"), lambda w, h: 2)
+    assert grey.reduction == 2 and grey.image.mode == "RGB" and grey.image.size == (32, 24)
+
+
+def test_reduced_decode_of_corrupt_bytes_raises_a_corrupt_image_error():
+    good = _encode(_gradient(256, 256), "JPEG")
+    for bad in (b"not an image", good[: len(good) // 2]):
+        with pytest.raises(CORRUPT_IMAGE_ERRORS):
+            decode_rgb_reduced(bad, lambda w, h: 2)
 
 
 def _sample(**fields):
