@@ -202,10 +202,8 @@ def estimated_peak_gib(cfg: Config, num_classes: int) -> float:
     fp32 at world size 1), the weights of a distillation teacher of the same size, and 2.5 GiB for libraries,
     batch-2 activations and buffers.
 
-    Measured against it (results/smoke_recipes.md, peaks including the checkpoint and export at the end): the ViT-B
-    stages 3.2-4.2 GiB (estimated 4.4-5.0), MAE ViT-L 10.7 (9.9), fine-tuning ViT-L 9.0 (9.3), the ViT-L linear
-    probe 5.4 (3.7: its export copies the frozen weights twice); MAE ViT-H at ZeRO-2 (17.2 estimated) had reached
-    16.7 GiB in its second step when it was stopped. `Options.memory_margin_gib` covers what it misses."""
+    results/smoke_recipes.md sets the measured peaks beside it: the estimate misses by up to about 1.7 GiB either way
+    (more for a linear probe, whose export copies the frozen weights twice); `Options.memory_margin_gib` covers that."""
     total, trained = parameter_counts(cfg, num_classes)
     teacher = total if cfg.stage == "finetune" and cfg.distill.kind != "none" else 0
     return (4 * (total + teacher) + 20 * trained) / 2**30 + 2.5
