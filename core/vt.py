@@ -1,0 +1,264 @@
+"""VT-ResNet (Wu et al. 2020, "Visual Transformers: Token-based Image Representation and Processing for Computer
+Vision") as a timm-style model, registered with timm.
+
+A ResNet keeps its stem and its first three residual stages (timm's blocks, timm's parameter names, so an ImageNet
+ResNet's weights load into them); the last stage is replaced by VT modules. Each module turns the 14 x 14 feature
+map (at 224 px) into L = 16 visual tokens by spatial attention (a tokenizer), relates the tokens with a transformer
+(token width 1024), and, except in the last module, projects them back onto the feature map as a residual. The
+classifier averages the final tokens. Importing this module registers `vt_resnet18/34/50/101`.
+
+Equations (X: pixels (HW, C), T: tokens (L, C_T)), as in the paper, with the changes noted:
+    filter-based tokenizer (first module):  A = softmax_HW(X W_A),  T = A^T X W_V
+    recurrent tokenizer (later modules):    W_R = T_in W_TR,  A = softmax_HW(X W_R^T),  T = A^T X W_V
+    transformer:   T' = T + softmax_L((T K)(T Q)^T / sqrt(C_T / 2)) T,   T_out = T' + relu(T' F1) F2
+    projector:     X_out = X + softmax_L((X W_Q)(T W_K)^T / sqrt(C)) T W_V'
+W_V and W_V' map between the feature and token widths and are identities when they are equal (the paper's
+equations have none). Changes: LayerNorm before the transformer's attention and MLP, and the 1/sqrt(d) logit scales,
+which keep a from-scratch run stable; the last module has no projector since its feature map is never used.
+
+Shape legend:
+    B: batch    C: feature channels    H, W: feature-map sides    L: visual tokens (16)    T: token width C_T
+"""
+
+import torch
+import torch.nn.functional as F
+from timm.layers import trunc_normal_
+from timm.models import build_model_with_cfg, register_model
+from timm.models.resnet import BasicBlock, Bottleneck, make_blocks
+from torch import nn
+
+
+def _projection(in_dim: int, out_dim: int) -> nn.Module:
+    """A bias-free linear map between widths, or nothing when they agree."""
+    return nn.Linear(in_dim, out_dim, bias=False) if in_dim != out_dim else nn.Identity()
+
+
+class Tokenizer(nn.Module):
+    """Spatial attention from the pixels to L token slots: filter-based (fixed W_A) or recurrent (W_R from the
+    previous module's tokens)."""
+
+    def __init__(self, channels: int, token_dim: int, num_tokens: int, recurrent: bool):
+        super().__init__()
+        self.recurrent = recurrent
+        if recurrent:
+            self.token_to_filter = nn.Linear(token_dim, channels, bias=False)  # W_TR: (C_T -> C)
+        else:
+            self.filters = nn.Linear(channels, num_tokens, bias=False)  # W_A: (C -> L)
+        self.value = _projection(channels, token_dim)  # W_V: (C -> C_T)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """x (B, HW, C), previous tokens (B, L, C_T) or None -> tokens (B, L, C_T)."""
+        logits = x @ self.token_to_filter(tokens).transpose(1, 2) if self.recurrent else self.filters(x)  # (B, HW, L)
+        attention = logits.softmax(dim=1)  # over pixels: each token is a weighted average of the map
+        return self.value(attention.transpose(1, 2) @ x)  # (B, L, C) -> (B, L, C_T)
+
+
+class TokenTransformer(nn.Module):
+    """The paper's token transformer: single-head attention whose values are the tokens themselves, then an MLP."""
+
+    def __init__(self, token_dim: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(token_dim)
+        self.key = nn.Linear(token_dim, token_dim // 2, bias=False)
+        self.query = nn.Linear(token_dim, token_dim // 2, bias=False)
+        self.norm2 = nn.LayerNorm(token_dim)
+        self.fc1 = nn.Linear(token_dim, token_dim)
+        self.fc2 = nn.Linear(token_dim, token_dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, L, C_T) -> (B, L, C_T)."""
+        t = self.norm1(tokens)
+        tokens = tokens + F.scaled_dot_product_attention(self.query(t), self.key(t), t)
+        return tokens + self.fc2(F.relu(self.fc1(self.norm2(tokens))))
+
+
+class Projector(nn.Module):
+    """Each pixel attends over the tokens and adds what it reads to its features (residual)."""
+
+    def __init__(self, channels: int, token_dim: int):
+        super().__init__()
+        self.query = nn.Linear(channels, channels, bias=False)  # W_Q
+        self.key = nn.Linear(token_dim, channels, bias=False)  # W_K
+        self.value = _projection(token_dim, channels)  # W_V'
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """x (B, HW, C), tokens (B, L, C_T) -> (B, HW, C)."""
+        return x + F.scaled_dot_product_attention(self.query(x), self.key(tokens), self.value(tokens))
+
+
+class VTModule(nn.Module):
+    """Tokenizer -> transformer -> projector (the projector is left out in the last module)."""
+
+    def __init__(self, channels: int, token_dim: int, num_tokens: int, recurrent: bool, project: bool):
+        super().__init__()
+        self.tokenizer = Tokenizer(channels, token_dim, num_tokens, recurrent)
+        self.transformer = TokenTransformer(token_dim)
+        self.projector = Projector(channels, token_dim) if project else None
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, HW, C), previous tokens or None -> (new x (B, HW, C), tokens (B, L, C_T))."""
+        tokens = self.transformer(self.tokenizer(x, tokens))
+        return (self.projector(x, tokens) if self.projector is not None else x), tokens
+
+
+class VTResNet(nn.Module):
+    """ResNet stem + stages 1-3 (timm names: conv1, bn1, layer1-3), VT modules as `layer4`, token average -> fc."""
+
+    def __init__(
+        self,
+        block: type[BasicBlock] | type[Bottleneck],
+        layers: tuple[int, int, int],
+        num_vt_modules: int,
+        img_size: int | tuple[int, int] = 224,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "avg",
+        num_tokens: int = 16,
+        token_dim: int = 1024,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        zero_init_last: bool = True,
+    ):
+        """Builds the model.
+
+        Args:
+            block: timm's BasicBlock (ResNet-18/34) or Bottleneck (ResNet-50/101).
+            layers: Residual blocks in stages 1-3.
+            num_vt_modules: VT modules replacing stage 4 (the paper's "stage 5").
+            img_size: Nominal input size (recorded for timm; the model has no position table and takes any size
+                whose stride-16 map is at least 1 x 1).
+            in_chans: Input image channels.
+            num_classes: Classifier outputs; 0 gives no classifier.
+            global_pool: Only "avg" (the paper averages the visual tokens).
+            num_tokens: Visual tokens L.
+            token_dim: Token width C_T.
+            drop_rate: Dropout before the classifier.
+            drop_path_rate: Stochastic depth of the last residual block (linear from 0).
+            zero_init_last: Zero the last BatchNorm of each residual branch (timm's ResNet default).
+        """
+        super().__init__()
+        if global_pool != "avg":
+            raise ValueError(f"global_pool {global_pool!r}: VT-ResNet only averages its visual tokens ('avg')")
+        self.img_size = img_size
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.num_features = self.head_hidden_size = self.embed_dim = token_dim
+        self.conv1 = nn.Conv2d(in_chans, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.act1 = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        stages, feature_info = make_blocks((block,) * 3, (64, 128, 256), layers, 64, drop_path_rate=drop_path_rate)
+        for name, stage in stages:
+            self.add_module(name, stage)
+        self.feature_channels = feature_info[-1]["num_chs"]  # 256 (BasicBlock) or 1024 (Bottleneck), stride 16
+        self.layer4 = nn.ModuleList(
+            VTModule(self.feature_channels, token_dim, num_tokens, recurrent=i > 0, project=i < num_vt_modules - 1)
+            for i in range(num_vt_modules)
+        )
+        self.head_drop = nn.Dropout(drop_rate)
+        self.fc = nn.Linear(token_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self._init_weights(zero_init_last)
+
+    def _init_weights(self, zero_init_last: bool) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(module, nn.Linear):
+                trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        if zero_init_last:
+            for module in self.modules():
+                if hasattr(module, "zero_init_last"):
+                    module.zero_init_last()
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return set()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Layer groups for timm's layer decay: stem = 0, then each residual block and VT module in order (by
+        stage with `coarse`), the classifier last."""
+        return dict(stem=r"^conv1|^bn1|^maxpool", blocks=r"^layer(\d+)" if coarse else r"^layer(\d+)\.(\d+)")
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replaces the classifier with a fresh one of `num_classes` outputs (0: none)."""
+        if global_pool not in (None, "avg"):
+            raise ValueError(f"global_pool {global_pool!r}: VT-ResNet only averages its visual tokens ('avg')")
+        self.num_classes = num_classes
+        self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) -> visual tokens (B, L, C_T) of the last VT module."""
+        x = self.maxpool(self.act1(self.bn1(self.conv1(x))))
+        x = self.layer3(self.layer2(self.layer1(x)))  # (B, C, H / 16, W / 16)
+        x = x.flatten(2).transpose(1, 2)  # (B, HW, C)
+        tokens = None
+        for module in self.layer4:
+            x, tokens = module(x, tokens)
+        return tokens
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """(B, L, C_T) -> (B, num_classes), or the token average (B, C_T) with `pre_logits`."""
+        x = self.head_drop(x.mean(dim=1))
+        return x if pre_logits else self.fc(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _cfg(**kwargs) -> dict:
+    return dict(
+        url="",
+        num_classes=1000,
+        input_size=(3, 224, 224),
+        pool_size=None,
+        crop_pct=0.875,
+        interpolation="bilinear",
+        mean=(0.485, 0.456, 0.406),
+        std=(0.229, 0.224, 0.225),
+        first_conv="conv1",
+        classifier="fc",
+        license="apache-2.0",
+        **kwargs,
+    )
+
+
+# ResNet blocks of stages 1-3 and VT modules replacing stage 4 (as many as the ResNet's stage-4 blocks: 2/3/3/3).
+VARIANTS: dict[str, dict] = {
+    "vt_resnet18": dict(block=BasicBlock, layers=(2, 2, 2), num_vt_modules=2),
+    "vt_resnet34": dict(block=BasicBlock, layers=(3, 4, 6), num_vt_modules=3),
+    "vt_resnet50": dict(block=Bottleneck, layers=(3, 4, 6), num_vt_modules=3),
+    "vt_resnet101": dict(block=Bottleneck, layers=(3, 4, 23), num_vt_modules=3),
+}
+default_cfgs = {name: _cfg() for name in VARIANTS}  # timm's register_model reads the module's `default_cfgs`
+
+
+def _create(variant: str, pretrained: bool, **kwargs) -> VTResNet:
+    """Builds a variant; explicit kwargs (e.g. token_dim for a tiny test model) override the variant's."""
+    return build_model_with_cfg(VTResNet, variant, pretrained, **{**VARIANTS[variant], **kwargs})
+
+
+@register_model
+def vt_resnet18(pretrained: bool = False, **kwargs) -> VTResNet:
+    return _create("vt_resnet18", pretrained, **kwargs)
+
+
+@register_model
+def vt_resnet34(pretrained: bool = False, **kwargs) -> VTResNet:
+    return _create("vt_resnet34", pretrained, **kwargs)
+
+
+@register_model
+def vt_resnet50(pretrained: bool = False, **kwargs) -> VTResNet:
+    return _create("vt_resnet50", pretrained, **kwargs)
+
+
+@register_model
+def vt_resnet101(pretrained: bool = False, **kwargs) -> VTResNet:
+    return _create("vt_resnet101", pretrained, **kwargs)
