@@ -27,8 +27,7 @@ import torch
 from timm.models import VisionTransformer
 
 from core import timm_compat
-
-MANIFEST_NAME = "mimpipe.json"
+from core.manifest import MANIFEST_NAME
 
 _ADDED_MANIFEST_KEYS = ("created", "num_tensors", "num_params", "versions")
 _DATA_CONFIG_KEYS = ("mean", "std", "interpolation", "crop_pct", "crop_mode")
