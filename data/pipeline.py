@@ -15,7 +15,7 @@ worker, ...), and each sample's augmentation runs under RNGs seeded from its pos
 The caller's global torch/python/numpy RNG state is restored after every batch, so an in-process
 loader never disturbs the trainer's randomness (e.g. MAE mask noise).
 
-Samples: any sample with an image field (`jpg`, `jpeg`, `png`, `webp`, any case) streams; its label is read only
+Samples: any sample with an image field (`jpg`, `jpeg`, `png`, `webp`, `bmp`, any case) streams; its label is read only
 when the loader needs labels (`.cls`, or an integer field of its `.json`), otherwise "label" is -1. Samples with no
 image field and images that do not decode are skipped, logged and counted ("num_corrupt"); a missing label stops.
 
