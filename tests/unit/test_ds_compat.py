@@ -68,6 +68,7 @@ def test_check_runs_every_patch_and_names_are_known():
         "skip_identity_grad_passes",
         "zero0_fp16_loss_scale",
         "zero0_fp16_masters",
+        "fp16_skipped_steps",
         "checkpoint_files",
     }
 
@@ -84,6 +85,7 @@ MISSING = [
     ("zero0_fp16_loss_scale", "deepspeed.runtime.base_optimizer", "ZeROOptimizer"),
     ("zero0_fp16_loss_scale", "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer", "loss_scale"),
     ("zero0_fp16_masters", UNFUSED, "state_dict"),
+    ("fp16_skipped_steps", ENGINE, "_take_model_step"),
     ("checkpoint_files", ENGINE, "_get_ckpt_name"),
     ("checkpoint_files", "deepspeed.checkpoint.ds_to_universal", "parse_arguments"),
 ]  # fmt: skip
@@ -138,6 +140,18 @@ def test_an_engine_backward_that_scales_fp16_losses_itself_fails(monkeypatch):
 
     monkeypatch.setattr(_owner(ENGINE), "backward", backward)
     _fails("zero0_fp16_loss_scale", "scales fp16 losses itself")
+
+
+def test_an_engine_that_no_longer_counts_skipped_steps_fails(monkeypatch):
+    """A step that skips on overflow without counting it: train/skipped_steps would stay 0 while steps are lost."""
+
+    def take_model_step(self, lr_kwargs):
+        self.optimizer.step()
+        self._step_applied = not getattr(self.optimizer, "overflow", False)
+
+    monkeypatch.setattr(_owner(ENGINE), "_take_model_step", take_model_step)
+    _fails("fp16_skipped_steps", "_take_model_step no longer uses overflow, skipped_steps")
+    assert ds_compat.skipped_steps(SimpleNamespace(skipped_steps=3)) == 3
 
 
 def test_a_renamed_checkpoint_key_fails(monkeypatch):
