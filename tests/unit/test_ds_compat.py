@@ -25,6 +25,7 @@ from core.engine.ds_compat import PATCHES, DeepSpeedCompatError
 from core.engine.setup import parallelize
 from core.models import build_vit
 from pretrain.mae import MAE
+from tests.compat_checks import assert_check_fails
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,13 +46,8 @@ def _owner(path: str):
 
 def _fails(patch: str, *phrases: str) -> None:
     """Asserts the patch's check raises an error naming the patch, the installed version and each phrase."""
-    with pytest.raises(DeepSpeedCompatError) as caught:
-        PATCHES[patch].check()
-    message = str(caught.value)
-    assert f"DeepSpeed patch '{patch}'" in message
-    assert f"installed deepspeed {deepspeed.__version__}" in message
-    for phrase in phrases:
-        assert phrase in message, message
+    named = (f"DeepSpeed patch '{patch}'", f"installed deepspeed {deepspeed.__version__}")
+    assert_check_fails(PATCHES[patch].check, DeepSpeedCompatError, *named, *phrases)
 
 
 @pytest.mark.parametrize("name", sorted(PATCHES))

@@ -19,19 +19,15 @@ from timm.data import auto_augment
 
 from core import timm_compat
 from core.timm_compat import PATCHES, TimmCompatError
+from tests.compat_checks import assert_check_fails
 
 HPARAMS = {"translate_const": 10, "img_mean": (124, 116, 104)}
 
 
 def _fails(patch: str, *phrases: str) -> None:
     """Asserts the patch's check raises an error naming the patch, the installed version and each phrase."""
-    with pytest.raises(TimmCompatError) as caught:
-        timm_compat.check(patch)
-    message = str(caught.value)
-    assert f"timm patch '{patch}'" in message
-    assert f"installed timm {timm.__version__}" in message
-    for phrase in phrases:
-        assert phrase in message, message
+    named = (f"timm patch '{patch}'", f"installed timm {timm.__version__}")
+    assert_check_fails(lambda: timm_compat.check(patch), TimmCompatError, *named, *phrases)
 
 
 @pytest.mark.parametrize("name", sorted(PATCHES))

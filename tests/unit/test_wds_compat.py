@@ -13,19 +13,15 @@ import webdataset
 
 from data import wds_compat
 from data.wds_compat import FSSPEC_SCHEMES, PATCHES, WebDatasetCompatError
+from tests.compat_checks import assert_check_fails
 
 gopen = importlib.import_module("webdataset.gopen")
 
 
 def _fails(patch: str, *phrases: str) -> None:
     """Asserts the patch's check raises an error naming the patch, the installed version and each phrase."""
-    with pytest.raises(WebDatasetCompatError) as caught:
-        wds_compat.check(patch)
-    message = str(caught.value)
-    assert f"webdataset patch '{patch}'" in message
-    assert f"installed webdataset {webdataset.__version__}" in message
-    for phrase in phrases:
-        assert phrase in message, message
+    named = (f"webdataset patch '{patch}'", f"installed webdataset {webdataset.__version__}")
+    assert_check_fails(lambda: wds_compat.check(patch), WebDatasetCompatError, *named, *phrases)
 
 
 @pytest.mark.parametrize("name", sorted(PATCHES))
