@@ -219,7 +219,7 @@ def test_zero3_parameter_attributes_on_plain_and_stand_in_parameters():
     assert ds_compat.partition_report(module) == "this rank holds 6 of 12 parameters (50.0%)"
 
 
-@pytest.mark.parametrize("name", ["mae", "beit", "tokenizer", "targets"])
+@pytest.mark.parametrize("name", ["mae", "beit", "encoder", "tokenizer", "targets"])
 def test_objectives_import_no_engine_deepspeed_or_process_group(name):
     """The objectives are plain models: distribution is applied to them from core/engine."""
     tree = ast.parse((REPO / "pretrain" / f"{name}.py").read_text())
