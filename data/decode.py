@@ -14,8 +14,9 @@ from typing import Any, NamedTuple
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
-"""Sample fields that hold an encoded image, in the order they are looked for (any case: `JPEG` is `jpeg`)."""
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp")
+"""Sample fields that hold an encoded image, in the order they are looked for (any case: `JPEG` is `jpeg`); as
+file extensions, the images `python -m data write` reads from a folder tree (`data.sources.IMAGE_EXTENSIONS`)."""
 
 CORRUPT_IMAGE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 """What Pillow raises for undecodable or truncated bytes (UnidentifiedImageError is an OSError)."""

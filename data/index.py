@@ -4,8 +4,8 @@
     python -m data index 'shards/laion/{00000..00127}.tar'              -> shards/laion/index.json
     python -m data index /data/in1k-wds/ --label-field label            every *.tar there, labels from each .json
 
-A sample is a key with an image field (`jpg`, `jpeg`, `png`, `webp`, any case); keys without one are counted apart,
-as the loaders skip them. Only tar headers and the label fields are read, never the images.
+A sample is a key with an image field (`jpg`, `jpeg`, `png`, `webp`, `bmp`, any case); keys without one are counted
+apart, as the loaders skip them. Only tar headers and the label fields are read, never the images.
 """
 
 import glob

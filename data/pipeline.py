@@ -15,7 +15,7 @@ worker, ...), and each sample's augmentation runs under RNGs seeded from its pos
 The caller's global torch/python/numpy RNG state is restored after every batch, so an in-process
 loader never disturbs the trainer's randomness (e.g. MAE mask noise).
 
-Samples: any sample with an image field (`jpg`, `jpeg`, `png`, `webp`, any case) streams; its label is read only
+Samples: any sample with an image field (`jpg`, `jpeg`, `png`, `webp`, `bmp`, any case) streams; its label is read only
 when the loader needs labels (`.cls`, or an integer field of its `.json`), otherwise "label" is -1. Samples with no
 image field and images that do not decode are skipped, logged and counted ("num_corrupt"); a missing label stops.
 
@@ -26,14 +26,11 @@ unless the skipped range held corrupt images (each one, never decoded, shifts th
 Shapes: B batch size, H/W image height/width after the transform.
 """
 
-import contextlib
 import functools
 import logging
 import math
 import os
 import random
-import re
-import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,8 +39,8 @@ import torch
 import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset.gopen import gopen_schemes
 
+from data import wds_compat
 from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS, decode_rgb, image_field, read_label
 from data.order import train_order
 from data.specs import WeightedShards, dataset_size, describe_shards
@@ -233,30 +230,9 @@ class _ShardStream(IterableDataset):
         )
 
 
-def _gopen_fsspec(url: str, mode: str = "rb", bufsize: int = 8192):
-    """Opens a shard URL with fsspec, for the object stores webdataset's gopen has no handler for."""
-    import fsspec
-
-    try:
-        return fsspec.open(url, mode).open()
-    except ImportError as exn:  # fsspec knows the protocol, its implementation (e.g. s3fs) is not installed
-        raise RuntimeError(f"cannot open shard {url}: {exn} (for s3://: pip install 'mimpipe[s3]')") from exn
-
-
-# Object stores reached through fsspec (s3fs, adlfs, gcsfs installed separately); `memory://` serves tests.
-for _scheme in ("s3", "s3a", "az", "abfs", "gcs", "memory"):
-    gopen_schemes.setdefault(_scheme, _gopen_fsspec)
-
-
-# What curl's exit status means when webdataset's gopen fetches an http(s) shard with `curl -f`.
-_CURL_EXITS = {
-    6: "the host name does not resolve",
-    7: "nothing accepts connections at that host and port",
-    22: "the server answered with an HTTP error (404: no such shard there; 403: no access)",
-    28: "the transfer timed out",
-    35: "the TLS handshake failed",
-    56: "the connection broke while receiving",
-}
+# Object-store schemes go into webdataset's gopen table once its internals have been checked (data/wds_compat.py):
+# at import, so that DataLoader workers started by spawn, which import this module, have them too.
+wds_compat.install()
 
 
 def _read_shards(urls: Iterator[str] | list[str]) -> Iterator[dict[str, Any]]:
@@ -265,25 +241,7 @@ def _read_shards(urls: Iterator[str] | list[str]) -> Iterator[dict[str, Any]]:
         try:
             yield from wds.tarfile_samples([{"url": url}])
         except Exception as exn:
-            raise RuntimeError(f"cannot read shard {url}: {_why_unreadable(exn)}") from exn
-
-
-def _why_unreadable(exn: Exception) -> str:
-    """Why a shard could not be read: in words when curl fetched it and failed, else the error itself.
-
-    webdataset reports a failed curl either with its exit status or, when it read the empty stream before curl
-    exited, as an 'empty file' that carries the still-running pipe: then the status is waited for.
-    """
-    pipe = next((a for a in exn.args if hasattr(a, "proc") and "curl" in str(getattr(a, "args", ""))), None)
-    status = None
-    if pipe is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            status = pipe.proc.wait(timeout=60)
-    elif found := re.search(r"\['curl'.*exit (\d+)", str(exn)):
-        status = int(found[1])
-    if not status:
-        return str(exn)
-    return f"{_CURL_EXITS.get(status, 'curl failed')} (curl exit {status})"
+            raise RuntimeError(f"cannot read shard {url}: {wds_compat.why_unreadable(exn)}") from exn
 
 
 def _skip_image_samples(samples: Iterator[dict[str, Any]], count: int) -> Iterator[dict[str, Any]]:

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from PIL import Image, ImageDraw
 
+from data.decode import IMAGE_FIELDS
+
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = [
     "T-shirt/top",
@@ -29,7 +31,8 @@ FASHION_MNIST_CLASSES = [
     "Bag",
     "Ankle boot",
 ]
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+IMAGE_EXTENSIONS = tuple(f".{field}" for field in IMAGE_FIELDS)
+"""The image files a folder tree is read for: the formats a shard's image field may hold."""
 
 # IDX magic numbers: two zero bytes, the element type (0x08 = unsigned byte), the number of dimensions.
 _IDX_LABELS_MAGIC = 0x00000801

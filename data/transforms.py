@@ -16,11 +16,13 @@ import numpy as np
 import torch
 import torchvision.transforms.v2.functional as F2
 from PIL import Image
-from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, posterize, rand_augment_transform
+from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.data.random_erasing import RandomErasing
+from timm.layers import to_2tuple
 from torchvision import transforms as T
 
+from core.timm_compat import posterize_at_least_1_bit
 from data.decode import ReducedImage, decode_rgb_reduced, to_rgb
 
 IMAGENET_MEAN = IMAGENET_DEFAULT_MEAN
@@ -85,7 +87,7 @@ def finetune_train_transform(
         T.RandomHorizontalFlip(hflip),
     ]
     if auto_augment:
-        steps.append(_augment_policy(auto_augment, min(_pair(img_size)), mean))
+        steps.append(_augment_policy(auto_augment, min(to_2tuple(img_size)), mean))
     steps += [T.ToTensor(), T.Normalize(mean, std)]
     if re_prob > 0:
         steps.append(RandomErasing(re_prob, mode="pixel", max_count=1, device="cpu"))
@@ -111,17 +113,7 @@ def _augment_policy(policy: str, min_side: int, mean: Sequence[float]) -> Callab
             transform = auto_augment_transform(policy, hparams)
     except (AssertionError, KeyError, ValueError) as error:  # timm checks policy strings with asserts
         raise ValueError(f"auto_augment {policy!r} is not a valid timm policy: {error}") from error
-    ops = list(getattr(transform, "ops", [])) + [op for sub in getattr(transform, "policy", []) for op in sub]
-    for op in ops:
-        if op.name.startswith("Posterize"):
-            op.aug_fn = _posterize_at_least_1_bit
-    return transform
-
-
-def _posterize_at_least_1_bit(img: Image.Image, bits_to_keep: int, **kwargs) -> Image.Image:
-    """timm's posterize asks for 0 bits at the top magnitude (`PosterizeIncreasing` at m10, reached by m9 with
-    mstd0.5), which Pillow >= 11 rejects; one bit is the same picture at the extreme of the range."""
-    return posterize(img, max(1, bits_to_keep), **kwargs)
+    return posterize_at_least_1_bit(transform)  # Pillow >= 11 refuses the 0 bits timm asks for at m10
 
 
 def eval_transform(
@@ -142,7 +134,7 @@ def eval_transform(
     """
     if not 0 < crop_pct <= 1:
         raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
-    height, width = (img_size, img_size) if isinstance(img_size, int) else img_size
+    height, width = to_2tuple(img_size)
     resize_to = math.floor(max(height, width) / crop_pct)  # the crop fits in both dimensions
     return T.Compose(
         [
@@ -198,7 +190,7 @@ class CropFlip:
         # Per view: (height, width), filter, and ToTensor + Normalize as one multiply-add per channel (3, 1, 1):
         # (x / 255 - mean) / std = x / (255 std) - mean / std.
         self.renderings = [
-            (_pair(v.size), v.interpolation, 1 / (255 * _channels(v.std)), -_channels(v.mean) / _channels(v.std))
+            (to_2tuple(v.size), v.interpolation, 1 / (255 * _channels(v.std)), -_channels(v.mean) / _channels(v.std))
             for v in views
         ]
 
@@ -316,7 +308,3 @@ class WithMask:
 def _channels(values: Sequence[float]) -> torch.Tensor:
     """Per-channel values as a (3, 1, 1) float32 tensor."""
     return torch.tensor(values, dtype=torch.float32).view(3, 1, 1)
-
-
-def _pair(size: int | Sequence[int]) -> tuple[int, int]:
-    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))

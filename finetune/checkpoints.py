@@ -32,6 +32,8 @@ import safetensors.torch
 import torch
 from timm.models import VisionTransformer
 
+from core.manifest import MANIFEST_NAME
+
 FORMATS = ("mimpipe-export", "mae-pretrain", "mae-finetune", "timm", "deit-distilled")
 TRUST_HINT = "model.trust_checkpoint=true (python -m finetune convert: --trust-checkpoint)"
 # Where training scripts put the weights, most preferred first: the raw weights before an EMA copy.
@@ -104,7 +106,7 @@ def checkpoint_keys(path: str | Path, *, trust: bool = False) -> list[str]:
 def read_manifest(path: str | Path) -> dict:
     """mimpipe.json of an export folder; {} for anything else."""
     path = Path(path)
-    return read_json(path / "mimpipe.json") if path.is_dir() else {}
+    return read_json(path / MANIFEST_NAME) if path.is_dir() else {}
 
 
 def detect_format(keys) -> str:
@@ -182,7 +184,7 @@ def _resolve(path: Path) -> tuple[Path, dict, dict]:
         weights_file = next((path / name for name in FOLDER_WEIGHTS if (path / name).is_file()), None)
         if weights_file is None:
             raise ValueError(f"checkpoint folder {path} has none of {', '.join(FOLDER_WEIGHTS)}")
-        return weights_file, read_json(path / "config.json"), read_json(path / "mimpipe.json")
+        return weights_file, read_json(path / "config.json"), read_json(path / MANIFEST_NAME)
     if path.is_file():
         return path, {}, {}
     raise ValueError(f"checkpoint path {path} does not exist")

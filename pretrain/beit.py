@@ -20,24 +20,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
-from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from pretrain.encoder import check_encoder, forward_encoder, patch_positions
+
 # The ViT paper's split of the selected patches: mask token, random other patch, unchanged.
 MIXED_SPLIT = (0.8, 0.1, 0.1)
-
-
-def _check_encoder(encoder: VisionTransformer) -> None:
-    problems = []
-    if not encoder.has_class_token or encoder.num_reg_tokens:
-        problems.append("needs a class token and no register tokens")
-    if encoder.num_classes:
-        problems.append(f"num_classes must be 0, got {encoder.num_classes}")
-    if encoder.pos_embed is None or encoder.no_embed_class or encoder.dynamic_img_size:
-        problems.append("needs a fixed-size learnable pos_embed that covers the class token")
-    if problems:
-        raise ValueError("masked-patch encoder: " + "; ".join(problems))
 
 
 def _init_head(module: nn.Module) -> None:
@@ -59,7 +48,7 @@ class MaskedPatchPrediction(nn.Module):
 
     def __init__(self, encoder: VisionTransformer, target: nn.Module, *, corruption: str = "mask_token", head="linear"):
         super().__init__()
-        _check_encoder(encoder)
+        check_encoder(encoder, "masked-patch prediction")
         if corruption not in ("mask_token", "mixed"):
             raise ValueError(f"corruption must be 'mask_token' or 'mixed', got {corruption!r}")
         if head not in ("linear", "mlp"):
@@ -105,14 +94,8 @@ class MaskedPatchPrediction(nn.Module):
 
     def forward_encoder(self, imgs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) images and (B, L) selection -> (B, 1 + L, D) encoder output over all patches."""
-        enc = self.encoder
-        x = self.corrupt(enc.patch_embed(imgs), mask)  # (B, L, D)
-        x = x + enc.pos_embed[:, enc.num_prefix_tokens :]
-        cls_token = enc.cls_token + enc.pos_embed[:, : enc.num_prefix_tokens]  # (1, 1, D)
-        x = torch.cat([cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, 1 + L, D)
-        x = enc.norm_pre(enc.pos_drop(x))
-        x = checkpoint_seq(enc.blocks, x) if enc.grad_checkpointing else enc.blocks(x)
-        return enc.norm(x)
+        x = self.corrupt(self.encoder.patch_embed(imgs), mask) + patch_positions(self.encoder)  # (B, L, D)
+        return forward_encoder(self.encoder, x)
 
     def forward_loss(self, pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Loss over the selected patches, in float32.

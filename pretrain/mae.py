@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from functools import partial
 
 import torch
-from timm.models import checkpoint_seq
+from timm.layers import to_2tuple
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from core.models import sincos_pos_embed_2d
 from core.pictures import image_grid
+from pretrain.encoder import check_encoder, forward_encoder, patch_positions
 
 # MAE's norm_pix_loss adds this to the per-patch variance before the square root.
 _NORM_PIX_EPS = 1e-6
@@ -58,25 +59,6 @@ def normalize_patches(patches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (patches - mean) / std, mean, std
 
 
-def _check_encoder(encoder: VisionTransformer) -> None:
-    """Raises ValueError unless the encoder has the plain layout MAE's token dropping relies on."""
-    problems = []
-    if not encoder.has_class_token:
-        problems.append("class_token must be True")
-    if encoder.num_reg_tokens:
-        problems.append(f"reg_tokens must be 0, got {encoder.num_reg_tokens}")
-    if encoder.global_pool != "token":
-        problems.append(f"global_pool must be 'token', got {encoder.global_pool!r}")
-    if encoder.num_classes:
-        problems.append(f"num_classes must be 0, got {encoder.num_classes}")
-    if encoder.pos_embed is None or encoder.no_embed_class:
-        problems.append("needs a learnable pos_embed that covers the class token (pos_embed='learn', no_embed_class)")
-    if encoder.dynamic_img_size:
-        problems.append("dynamic_img_size must be False")
-    if problems:
-        raise ValueError("MAE encoder: " + "; ".join(problems))
-
-
 class MAE(nn.Module):
     """MAE pretraining objective: encode the visible patches, decode all, regress the masked patches' pixels."""
 
@@ -104,7 +86,7 @@ class MAE(nn.Module):
             ValueError: On an unsupported encoder or a mask ratio that keeps no patch or masks none.
         """
         super().__init__()
-        _check_encoder(encoder)
+        check_encoder(encoder, "MAE", token_pool=True)
         num_patches = encoder.patch_embed.num_patches
         num_keep = int(num_patches * (1 - mask_ratio))
         if not 0 < num_keep < num_patches:
@@ -212,15 +194,9 @@ class MAE(nn.Module):
         Returns:
             latent (B, 1 + L_vis, D), mask (B, L), ids_restore (B, L).
         """
-        enc = self.encoder
-        x = enc.patch_embed(imgs)  # (B, L, D)
-        x = x + enc.pos_embed[:, enc.num_prefix_tokens :]  # (B, L, D)
+        x = self.encoder.patch_embed(imgs) + patch_positions(self.encoder)  # (B, L, D)
         x, mask, ids_restore = self.random_masking(x, mask_ratio)  # (B, L_vis, D)
-        cls_token = enc.cls_token + enc.pos_embed[:, : enc.num_prefix_tokens]  # (1, 1, D)
-        x = torch.cat([cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + L_vis, D)
-        x = enc.norm_pre(enc.pos_drop(x))
-        x = checkpoint_seq(enc.blocks, x) if enc.grad_checkpointing else enc.blocks(x)
-        return enc.norm(x), mask, ids_restore
+        return forward_encoder(self.encoder, x), mask, ids_restore
 
     def forward_decoder(self, latent: torch.Tensor, ids_restore: torch.Tensor) -> torch.Tensor:
         """Fills the masked positions with the mask token, restores image order and predicts every patch.
@@ -307,7 +283,7 @@ def reconstruction_grid(
         (3, H_grid, W_grid) float tensor in [0, 1]: `core.pictures.image_grid` with column titles, small images
         upscaled (nearest) to at least 112 px.
     """
-    patch_size = (patch_size, patch_size) if isinstance(patch_size, int) else tuple(patch_size)
+    patch_size = to_2tuple(patch_size)
     images, pred, mask = images[:max_images].float(), pred[:max_images].float(), mask[:max_images].float()
     grid_size = (images.shape[2] // patch_size[0], images.shape[3] // patch_size[1])
     if norm_pix_loss:

@@ -12,6 +12,7 @@ from torch import nn
 
 from core.config import Config
 from core.engine.stage import build_model
+from core.manifest import MANIFEST_NAME
 from core.sections import BEiTObjective, BlockwiseMask
 from data.masking import BlockwiseMaskGenerator, RandomMaskGenerator
 from data.transforms import TwoViewCropFlip, WithMask, pretrain_transform
@@ -87,9 +88,9 @@ def mask_generator(cfg: Config):
 
 def tokenizer_manifest(path: str | Path) -> dict:
     """The `mimpipe.json` of a tokenizer export (architecture, normalisation)."""
-    file = Path(path) / "mimpipe.json"
+    file = Path(path) / MANIFEST_NAME
     if not file.is_file():
-        raise ValueError(f"objective.target.path {path}: no mimpipe.json (expected a `stage: tokenizer` export)")
+        raise ValueError(f"objective.target.path {path}: no {MANIFEST_NAME} (expected a `stage: tokenizer` export)")
     return json.loads(file.read_text())
 
 

@@ -27,11 +27,12 @@ from pathlib import Path
 import safetensors.torch
 import torch
 import torch.nn.functional as F
+from timm.layers import to_2tuple
 from torch import nn
 
+from core.manifest import MANIFEST_NAME
 from core.pictures import image_grid
 
-MANIFEST_NAME = "mimpipe.json"
 WEIGHTS_NAME = "tokenizer.safetensors"
 KIND = "vqvae"
 
@@ -256,7 +257,7 @@ class VQVAE(nn.Module):
         dead_code_threshold: float = 1.0,
     ):
         super().__init__()
-        height, width = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        height, width = to_2tuple(img_size)
         if not isinstance(downsample, int) or downsample < 2 or downsample & (downsample - 1):
             raise ValueError(f"downsample must be a power of two >= 2, got {downsample}")
         if height % downsample or width % downsample:

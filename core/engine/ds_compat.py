@@ -15,6 +15,7 @@ Patches (`PATCHES`, by name):
     skip_identity_grad_passes  Stage3._get_norm_groups / unscale_and_clip_grads, replaced on one optimizer
     zero0_fp16_loss_scale      engine.backward leaves the loss unscaled at ZeRO-0 fp16; the wrappers' loss_scale
     zero0_fp16_masters         the ZeRO-0 fp16 optimizer's fp16_groups / fp32_groups, in memory and in checkpoints
+    fp16_skipped_steps         DeepSpeedEngine.skipped_steps counts the fp16 steps an overflow skipped, checkpointed
     checkpoint_files           mp_rank_00_model_states.pt, zero_pp_rank_* shards, ds_to_universal's flags
 
 DeepSpeed is imported inside the functions, as elsewhere in the engine: importing it takes seconds.
@@ -307,6 +308,23 @@ def _check_zero0_fp16_loss_scale(patch: str) -> None:
         _attr(patch, _attr(patch, _module(patch, module), name), "loss_scale")
 
 
+# fp16_skipped_steps: DeepSpeed counts the optimizer steps a gradient overflow skipped (fp16) on the engine, and
+# saves and restores the count with each checkpoint; the loop logs it as train/skipped_steps.
+
+
+def skipped_steps(engine) -> int:
+    """How many optimizer steps an fp16 engine has skipped on gradient overflow in the run, resumes included."""
+    return engine.skipped_steps
+
+
+def _check_fp16_skipped_steps(patch: str) -> None:
+    engine = _engine_class(patch)
+    _method(patch, engine, "__init__", uses=("skipped_steps",))
+    _method(patch, engine, "_take_model_step", uses=("skipped_steps", "overflow"))
+    _method(patch, engine, "_common_checkpoint_state", uses=("skipped_steps",))
+    _method(patch, engine, "_load_checkpoint", strings=("skipped_steps",))
+
+
 # zero0_fp16_masters: at ZeRO-0 the fp16 optimizer (the unfused one, which wraps any torch optimizer) keeps the fp32
 # master weights as lists of tensors, group by group beside the fp16 parameters, and saves them in its state dict.
 
@@ -381,6 +399,7 @@ PATCHES: dict[str, Patch] = {
         Patch("skip_identity_grad_passes", _check_skip_identity_grad_passes),
         Patch("zero0_fp16_loss_scale", _check_zero0_fp16_loss_scale),
         Patch("zero0_fp16_masters", _check_zero0_fp16_masters),
+        Patch("fp16_skipped_steps", _check_fp16_skipped_steps),
         Patch("checkpoint_files", _check_checkpoint_files),
     )
 }

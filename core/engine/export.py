@@ -26,13 +26,8 @@ import timm
 import torch
 from timm.models import VisionTransformer
 
-# timm exports its config writer only through `save_for_hf`, which saves `model.state_dict()` as is; we write the
-# tensors ourselves (detached, contiguous, unshared copies) and reuse timm's config writer for config.json.
-from timm.models._hub import save_config_for_hf
-
-MANIFEST_NAME = "mimpipe.json"
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
+from core import timm_compat
+from core.manifest import MANIFEST_NAME
 
 _ADDED_MANIFEST_KEYS = ("created", "num_tensors", "num_params", "versions")
 _DATA_CONFIG_KEYS = ("mean", "std", "interpolation", "crop_pct", "crop_mode")
@@ -72,8 +67,9 @@ def export_model(
     arch_args = {k: v for k, v in model_args.items() if not k.endswith("drop_rate") and k != "drop_path_rate"}
 
     with atomic_folder(out_dir) as tmp_dir:
-        safetensors.torch.save_file(tensors, tmp_dir / WEIGHTS_NAME, metadata={"format": "pt"})
-        save_config_for_hf(model, tmp_dir / CONFIG_NAME, model_config={"pretrained_cfg": overlay}, model_args=arch_args)
+        # timm's save_for_hf writes `model.state_dict()` as it is, which safetensors refuses when tensors share
+        # storage (views into a flat optimizer buffer, tied weights): it is given the detached copies instead.
+        timm_compat.save_for_hf(model, tmp_dir, tensors, model_config={"pretrained_cfg": overlay}, model_args=arch_args)
         (tmp_dir / MANIFEST_NAME).write_text(json.dumps(full_manifest, indent=2) + "\n")
         _check_rebuilds(model, tmp_dir, tensors)
     return out_dir

@@ -21,7 +21,7 @@ from core.config import Config
 from core.engine import preempt
 from core.engine.checkpoint import RNGState, save_checkpoint
 from core.engine.distributed import DistInfo, all_reduce
-from core.engine.ds_compat import loss_scale, scales_loss_itself
+from core.engine.ds_compat import loss_scale, scales_loss_itself, skipped_steps
 from core.engine.schedule import lr_at
 from core.logging import MetricsLogger
 
@@ -273,7 +273,7 @@ class _Window:
             values["train/grad_norm"] = grad_norm
         if precision == "fp16":
             values["train/loss_scale"] = float(loss_scale(engine))
-            values["train/skipped_steps"] = float(engine.skipped_steps)
+            values["train/skipped_steps"] = float(skipped_steps(engine))
         else:
             values["train/skipped_steps"] = float(state.nonfinite_skipped)
         values["perf/images_per_sec"] = self.samples / elapsed

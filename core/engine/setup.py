@@ -13,6 +13,7 @@ from timm.layers import Attention
 from timm.optim import Lars, param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
 
+from core import timm_compat
 from core.config import Config
 from core.engine import ds_compat
 from core.engine.distributed import DistInfo
@@ -203,6 +204,7 @@ def parallelize(
     from deepspeed.accelerator import get_accelerator
 
     ds_compat.check()  # a DeepSpeed release that changed an internal we patch stops here, naming it
+    timm_compat.check()  # likewise timm's (data/wds_compat.py checks webdataset's when the pipeline is imported)
     if cfg.engine.precision == "fp16" and not get_accelerator().is_fp16_supported():
         raise ValueError(
             f"engine.precision fp16: DeepSpeed's {get_accelerator().device_name()} accelerator has no fp16 on this "

@@ -23,6 +23,8 @@ def _encode(img: Image.Image, fmt: str, **kwargs) -> bytes:
         ({"JPEG": b"", "cls": b"3"}, "JPEG"),
         ({"webp": b"", "json": b"{}"}, "webp"),
         ({"Png": b""}, "Png"),
+        ({"BMP": b"", "txt": b""}, "BMP"),
+        ({"bmp": b"", "jpg": b""}, "jpg"),  # looked for in IMAGE_FIELDS order
         ({"txt": b"a caption", "json": b"{}"}, None),
     ],
 )

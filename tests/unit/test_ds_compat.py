@@ -25,6 +25,7 @@ from core.engine.ds_compat import PATCHES, DeepSpeedCompatError
 from core.engine.setup import parallelize
 from core.models import build_vit
 from pretrain.mae import MAE
+from tests.compat_checks import assert_check_fails
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,13 +46,8 @@ def _owner(path: str):
 
 def _fails(patch: str, *phrases: str) -> None:
     """Asserts the patch's check raises an error naming the patch, the installed version and each phrase."""
-    with pytest.raises(DeepSpeedCompatError) as caught:
-        PATCHES[patch].check()
-    message = str(caught.value)
-    assert f"DeepSpeed patch '{patch}'" in message
-    assert f"installed deepspeed {deepspeed.__version__}" in message
-    for phrase in phrases:
-        assert phrase in message, message
+    named = (f"DeepSpeed patch '{patch}'", f"installed deepspeed {deepspeed.__version__}")
+    assert_check_fails(PATCHES[patch].check, DeepSpeedCompatError, *named, *phrases)
 
 
 @pytest.mark.parametrize("name", sorted(PATCHES))
@@ -68,6 +64,7 @@ def test_check_runs_every_patch_and_names_are_known():
         "skip_identity_grad_passes",
         "zero0_fp16_loss_scale",
         "zero0_fp16_masters",
+        "fp16_skipped_steps",
         "checkpoint_files",
     }
 
@@ -84,6 +81,7 @@ MISSING = [
     ("zero0_fp16_loss_scale", "deepspeed.runtime.base_optimizer", "ZeROOptimizer"),
     ("zero0_fp16_loss_scale", "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer", "loss_scale"),
     ("zero0_fp16_masters", UNFUSED, "state_dict"),
+    ("fp16_skipped_steps", ENGINE, "_take_model_step"),
     ("checkpoint_files", ENGINE, "_get_ckpt_name"),
     ("checkpoint_files", "deepspeed.checkpoint.ds_to_universal", "parse_arguments"),
 ]  # fmt: skip
@@ -138,6 +136,18 @@ def test_an_engine_backward_that_scales_fp16_losses_itself_fails(monkeypatch):
 
     monkeypatch.setattr(_owner(ENGINE), "backward", backward)
     _fails("zero0_fp16_loss_scale", "scales fp16 losses itself")
+
+
+def test_an_engine_that_no_longer_counts_skipped_steps_fails(monkeypatch):
+    """A step that skips on overflow without counting it: train/skipped_steps would stay 0 while steps are lost."""
+
+    def take_model_step(self, lr_kwargs):
+        self.optimizer.step()
+        self._step_applied = not getattr(self.optimizer, "overflow", False)
+
+    monkeypatch.setattr(_owner(ENGINE), "_take_model_step", take_model_step)
+    _fails("fp16_skipped_steps", "_take_model_step no longer uses overflow, skipped_steps")
+    assert ds_compat.skipped_steps(SimpleNamespace(skipped_steps=3)) == 3
 
 
 def test_a_renamed_checkpoint_key_fails(monkeypatch):
@@ -209,7 +219,7 @@ def test_zero3_parameter_attributes_on_plain_and_stand_in_parameters():
     assert ds_compat.partition_report(module) == "this rank holds 6 of 12 parameters (50.0%)"
 
 
-@pytest.mark.parametrize("name", ["mae", "beit", "tokenizer", "targets"])
+@pytest.mark.parametrize("name", ["mae", "beit", "encoder", "tokenizer", "targets"])
 def test_objectives_import_no_engine_deepspeed_or_process_group(name):
     """The objectives are plain models: distribution is applied to them from core/engine."""
     tree = ast.parse((REPO / "pretrain" / f"{name}.py").read_text())

@@ -90,7 +90,7 @@ def shard_without_image(t: Path, s: Path):
         [f"data.train={spec}"],
         "data.train",
         f"{spec}/train-000000.tar",
-        "has no image field (jpg, jpeg, png, webp, any case)",
+        "has no image field (jpg, jpeg, png, webp, bmp, any case)",
     )
 
 

@@ -1,0 +1,203 @@
+"""Every place the data pipeline relies on webdataset internals, each a named check that `install()` runs at import.
+
+webdataset's public API opens shard URLs but offers no way to add a URL scheme or to learn why a download failed.
+The pipeline reaches past it in two places, and a release that changed either would make the patch silently do
+nothing: a registered scheme that gopen no longer consults, or a curl failure reported as an opaque error. So
+`install()` first checks that each internal still behaves the way the code here expects, by running it on stand-in
+shards, and otherwise stops with a `WebDatasetCompatError` naming the patch, what changed and the installed version.
+
+Patches (`PATCHES`, by name):
+    gopen_schemes  object-store schemes (s3://, az://, gcs://, memory://) registered in
+                   `webdataset.gopen.gopen_schemes`, the table gopen looks a URL's handler up in
+    curl_errors    http(s):// shards are fetched with `curl -f`; why one failed is read from curl's exit status, in
+                   the text of gopen's IOError or from the still-running `Pipe` webdataset appends to the error
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+import subprocess
+import tarfile
+from collections.abc import Callable, MutableMapping
+from types import SimpleNamespace
+from typing import Any, NoReturn
+
+import webdataset as wds
+
+WRITTEN_FOR = "1.0"
+"""The webdataset release the patches were written against (1.0.2)."""
+
+FSSPEC_SCHEMES = ("s3", "s3a", "az", "abfs", "gcs", "memory")
+"""Object stores reached through fsspec (s3fs, adlfs, gcsfs installed separately); `memory://` serves tests."""
+
+# What curl's exit status means when webdataset's gopen fetches an http(s) shard with `curl -f`.
+_CURL_EXITS = {
+    6: "the host name does not resolve",
+    7: "nothing accepts connections at that host and port",
+    22: "the server answered with an HTTP error (404: no such shard there; 403: no access)",
+    28: "the transfer timed out",
+    35: "the TLS handshake failed",
+    56: "the connection broke while receiving",
+}
+_PROBE_SCHEME = "mimpipe-wds-check"
+_PROBE_STATUS = 22
+
+
+class WebDatasetCompatError(RuntimeError):
+    """The installed webdataset no longer has an internal that a patch in this module relies on."""
+
+
+def why_unreadable(exn: Exception) -> str:
+    """Why a shard could not be read: in words when curl fetched it and failed, else the error itself.
+
+    webdataset reports a failed curl either with its exit status or, when it read the empty stream before curl
+    exited, as an 'empty file' that carries the still-running pipe: then the status is waited for.
+    """
+    pipe = next((a for a in exn.args if hasattr(a, "proc") and "curl" in str(getattr(a, "args", ""))), None)
+    status = None
+    if pipe is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            status = pipe.proc.wait(timeout=60)
+    elif found := re.search(r"\['curl'.*exit (\d+)", str(exn)):
+        status = int(found[1])
+    if not status:
+        return str(exn)
+    return f"{_CURL_EXITS.get(status, 'curl failed')} (curl exit {status})"
+
+
+def gopen_fsspec(url: str, mode: str = "rb", bufsize: int = 8192):
+    """Opens a shard URL with fsspec, for the object stores webdataset's gopen has no handler for."""
+    import fsspec
+
+    try:
+        return fsspec.open(url, mode).open()
+    except ImportError as exn:  # fsspec knows the protocol, its implementation (e.g. s3fs) is not installed
+        raise RuntimeError(f"cannot open shard {url}: {exn} (for s3://: pip install 'mimpipe[s3]')") from exn
+
+
+def install() -> None:
+    """Check every patch, then register `FSSPEC_SCHEMES` (where webdataset has no handler of its own).
+
+    Raises:
+        WebDatasetCompatError: At the first patch whose internal has changed.
+    """
+    check()
+    schemes = _gopen().gopen_schemes
+    for scheme in FSSPEC_SCHEMES:
+        schemes.setdefault(scheme, gopen_fsspec)
+
+
+def check(*names: str) -> None:
+    """Run the checks of the named patches (default: all); raises WebDatasetCompatError at the first that fails."""
+    for name in names or PATCHES:
+        PATCHES[name](name)
+
+
+# Checking helpers. Each takes the patch's name, for the error.
+
+
+def _fail(patch: str, problem: str) -> NoReturn:
+    version = getattr(wds, "__version__", "(unknown)")
+    raise WebDatasetCompatError(
+        f"webdataset patch {patch!r} (data/wds_compat.py): {problem}, in the installed webdataset {version}. "
+        f"The patch was written for webdataset {WRITTEN_FOR}: adapt it to this release."
+    )
+
+
+def _gopen():
+    return importlib.import_module("webdataset.gopen")
+
+
+def _attr(patch: str, owner, name: str):
+    if not hasattr(owner, name):
+        _fail(patch, f"{owner.__name__}.{name} is missing")
+    return getattr(owner, name)
+
+
+def _tar(files: dict[str, bytes]) -> bytes:
+    """An uncompressed tar of `files` (name -> content), as a shard is."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def _read_probe(patch: str, open_stream: Callable[[], Any]) -> list[dict[str, Any]]:
+    """The samples `wds.tarfile_samples` (what the pipeline reads shards with) reads from a URL of a scheme
+    registered in gopen_schemes whose handler returns `open_stream()`; the scheme is removed again after."""
+    schemes = _attr(patch, _gopen(), "gopen_schemes")
+    if not isinstance(schemes, MutableMapping):
+        _fail(patch, f"webdataset.gopen.gopen_schemes is a {type(schemes).__name__}, no longer a dict")
+    schemes[_PROBE_SCHEME] = lambda url, mode="rb", bufsize=8192, **kw: open_stream()
+    try:
+        return list(wds.tarfile_samples([{"url": f"{_PROBE_SCHEME}://shard.tar"}]))
+    finally:
+        del schemes[_PROBE_SCHEME]
+
+
+def _string_constants(fn: Callable) -> set[str]:
+    """The string constants in `fn`'s code, those in tuples (a list literal of strings) included."""
+    consts = list(getattr(getattr(fn, "__code__", None), "co_consts", ()))
+    consts += [c for const in consts if isinstance(const, tuple) for c in const]
+    return {c for c in consts if isinstance(c, str)}
+
+
+def _check_gopen_schemes(patch: str) -> None:
+    try:
+        samples = _read_probe(patch, lambda: io.BytesIO(_tar({"probe.txt": b"ok"})))
+    except WebDatasetCompatError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure means the lookup changed
+        _fail(patch, f"a shard URL of a scheme registered in gopen_schemes does not open ({err!r})")
+    if [s.get("txt") for s in samples] != [b"ok"]:
+        _fail(patch, f"a shard URL of a scheme registered in gopen_schemes reads as {samples!r}")
+
+
+class _ExitedCurl:
+    """A stand-in for webdataset's `Pipe` around a curl that wrote nothing and exits with `_PROBE_STATUS`."""
+
+    args = ((["curl", "-f", f"http://{_PROBE_SCHEME}/shard.tar"],), {})
+    proc = SimpleNamespace(wait=lambda timeout=None: _PROBE_STATUS)
+
+    def read(self, size: int = -1) -> bytes:
+        return b""
+
+
+def _check_curl_errors(patch: str) -> None:
+    gopen = _gopen()
+    for scheme in ("http", "https"):
+        handler = _attr(patch, gopen, "gopen_schemes").get(scheme)
+        if not {"curl", "-f"} <= _string_constants(handler):
+            _fail(patch, f"{scheme}:// shards are no longer fetched with `curl -f` ({handler!r})")
+    pipe_class = _attr(patch, gopen, "Pipe")
+
+    def exited_pipe():  # a real process named curl (/bin/sh), which has exited when the reader starts
+        pipe = pipe_class(["curl", "-c", f"exit {_PROBE_STATUS}"], mode="rb", executable="/bin/sh")
+        pipe.proc.wait()
+        return pipe
+
+    # Both ways a failed curl reaches the pipeline: gopen's Pipe raising with the exit status in its text, and an
+    # empty stream, read before curl exited, that webdataset adds to the error.
+    stand_ins = {"gopen's Pipe": exited_pipe, "a curl that wrote nothing": _ExitedCurl}
+    for what, open_stream in stand_ins.items():
+        try:
+            _read_probe(patch, open_stream)
+            reason = "no error"
+        except WebDatasetCompatError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the error is what is checked
+            reason = why_unreadable(err)
+        if not reason.endswith(f"(curl exit {_PROBE_STATUS})"):
+            _fail(patch, f"curl exiting with {_PROBE_STATUS} through {what} is reported as {reason!r}")
+
+
+PATCHES: dict[str, Callable[[str], None]] = {
+    "gopen_schemes": _check_gopen_schemes,
+    "curl_errors": _check_curl_errors,
+}
