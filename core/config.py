@@ -164,7 +164,7 @@ class EngineConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention: Literal["auto", "sdpa", "math"] = "auto"
     """sdpa: torch's fused scaled_dot_product_attention; math: timm's explicit matmul-softmax attention; auto: sdpa
-    on CUDA, math on CPU, where torch's fused kernel is measured 2-3x slower in bf16 (`make bench`)."""
+    on CUDA, math on CPU, where torch's fused kernel is slower in bf16."""
     fp16_initial_scale_power: int = Field(16, ge=0, le=32)
     offload_optimizer: Literal["none", "cpu"] = "none"
     """ZeRO-1/2/3: keep the fp32 master weights and AdamW moments in host memory and step them there."""
