@@ -237,25 +237,27 @@ def run_engine(cfg, spec: dict, batch: dict, clock: Clock) -> None:
 def train_until_done(cfg, engine, optimizer, batches, *, dist, run_dir: Path) -> None:
     """`core.engine.loop.train` on `batches` (which end by raising MeasurementDone), without logging or checkpoints."""
     from core.config import dump_config
-    from core.engine.loop import TrainState, train
+    from core.engine.loop import LoopHooks, TrainState, train
+    from core.engine.run import StageRun
     from core.logging import MetricsLogger
 
     total = cfg.schedule.steps
     logger = MetricsLogger(run_dir, enabled=False, tensorboard=False, total_steps=total)
     with contextlib.suppress(MeasurementDone):
-        train(
+        run = StageRun(
             cfg=cfg,
-            engine=engine,
-            optimizer=optimizer,
-            batches=batches,
+            recipe="",
             dist=dist,
-            state=TrainState(),
-            total_steps=total,
-            warmup_steps=1,
-            logger=logger,
             run_dir=run_dir,
             config_yaml=dump_config(cfg),
+            samples=None,
+            total_steps=total,
+            warmup_steps=1,
+            resume=None,
+            state=TrainState(),
+            logger=logger,
         )
+        train(run, engine, optimizer, batches, LoopHooks())
 
 
 def worker(spec_json: str) -> None:

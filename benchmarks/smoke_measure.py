@@ -183,7 +183,7 @@ def parameter_counts(cfg: Config, num_classes: int) -> tuple[int, int]:
 
         build = objective_builder(cfg)  # a tokenizer target is loaded here, outside the meta device
     else:
-        from core.engine.stage import build_model
+        from core.models import build_model
         from finetune.probe_ema import make_linear_probe
 
         def build():

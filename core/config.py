@@ -2,20 +2,22 @@
 
 Every section is a strict pydantic model (`extra="forbid"`): an unknown key, a wrong type or an out-of-range
 value is a `ConfigError` naming the dotted key (with a close-match hint for typos) before any process starts.
+The layers are merged into one plain tree in core/recipe_tree.py; core/config_errors.py words the errors.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
-import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, Field, Tag, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
+from core.config_errors import ConfigError as ConfigError  # re-exported: callers catch it from here
+from core.config_errors import explain
+from core.recipe_tree import recipe_tree
 from core.sections import (
     OBJECTIVES_BY_STAGE,
     AugmentConfig,
@@ -27,10 +29,6 @@ from core.sections import (
     TrainSource,
     TrainSpec,
 )
-
-
-class ConfigError(ValueError):
-    """A recipe or override that does not fit the schema; the message names the key."""
 
 
 class ModelConfig(Section):
@@ -164,7 +162,7 @@ class EngineConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention: Literal["auto", "sdpa", "math"] = "auto"
     """sdpa: torch's fused scaled_dot_product_attention; math: timm's explicit matmul-softmax attention; auto: sdpa
-    on CUDA, math on CPU, where torch's fused kernel is measured 2-3x slower in bf16 (`make bench`)."""
+    on CUDA, math on CPU, where torch's fused kernel is slower in bf16."""
     fp16_initial_scale_power: int = Field(16, ge=0, le=32)
     offload_optimizer: Literal["none", "cpu"] = "none"
     """ZeRO-1/2/3: keep the fp32 master weights and AdamW moments in host memory and step them there."""
@@ -279,112 +277,6 @@ class Config(Section):
         return total, min(warmup, total)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"recipe not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a recipe must be a mapping of sections")
-    return data
-
-
-def _merge(base: dict, top: dict) -> dict:
-    """`top` over `base`, section by section; a section whose `kind` changes is replaced, not merged (the keys of
-    the old kind would not fit the new one)."""
-    out = dict(base)
-    for key, value in top.items():
-        below = out.get(key)
-        same_kind = (
-            isinstance(below, dict)
-            and isinstance(value, dict)
-            and value.get("kind", below.get("kind")) == below.get("kind")
-        )
-        out[key] = _merge(below, value) if same_kind else value
-    return out
-
-
-def _set_dotted(tree: dict, override: str) -> None:
-    if "=" not in override:
-        raise ConfigError(f"override {override!r} is not of the form section.key=value")
-    dotted, raw = override.split("=", 1)
-    *parents, leaf = dotted.strip().split(".")
-    node = tree
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted}: {part} is not a section")
-    node[leaf] = yaml.safe_load(raw)
-
-
-def _unwrap(annotation: Any) -> type:
-    """`Annotated[X, ...]` -> X; a plain class as it is; anything else -> `object`."""
-    if typing.get_origin(annotation) is Annotated:
-        annotation = typing.get_args(annotation)[0]
-    return annotation if isinstance(annotation, type) else object
-
-
-def _union_members(annotation: Any) -> dict[str, type[BaseModel] | None]:
-    """A discriminated union's members by the tag pydantic puts into error locations (a `Tag`, else the member's
-    `kind`), each as the section it holds (a `list[Section]` member: its items'; None for plain values). Empty
-    when `annotation` is not such a union."""
-    members: dict[str, type[BaseModel] | None] = {}
-    for arg in typing.get_args(annotation):
-        tag = None
-        if typing.get_origin(arg) is Annotated:
-            arg, *metadata = typing.get_args(arg)
-            tag = next((m.tag for m in metadata if isinstance(m, Tag)), None)
-        if typing.get_origin(arg) is list:
-            arg = typing.get_args(arg)[0]
-        model = _unwrap(arg)
-        model = model if issubclass(model, BaseModel) else None
-        if tag is None and model is not None and "kind" in model.model_fields:
-            tag = model.model_fields["kind"].default
-        if tag is not None:
-            members[tag] = model
-    return members
-
-
-def _walk(loc: tuple) -> tuple[list[str], type[BaseModel] | None]:
-    """An error location as the user writes it (discriminated-union tags such as `mae` dropped, list items as
-    `train[1]`), and the section model holding its last key (None when that is not a section)."""
-    model: type[BaseModel] | None = Config
-    members: dict[str, type[BaseModel] | None] = {}
-    keys: list[str] = []
-    for i, part in enumerate(loc):
-        if members:  # pydantic puts the chosen member's tag into the location
-            model, members = members.get(part), {}
-            continue
-        if isinstance(part, int) and keys:
-            keys[-1] += f"[{part}]"
-            continue
-        keys.append(str(part))
-        field = model.model_fields.get(part) if model is not None and i < len(loc) - 1 else None
-        annotation = field.annotation if field is not None else None
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            model = annotation
-        else:
-            members = _union_members(annotation)
-            model = None if i < len(loc) - 1 and not members else model
-    return keys, model
-
-
-def _explain(err: ValidationError, source: str) -> ConfigError:
-    lines = []
-    for e in err.errors():
-        keys, parent = _walk(tuple(e["loc"]))
-        key = ".".join(keys) or "<root>"
-        if e["type"] == "extra_forbidden":
-            fields = list(parent.model_fields) if parent is not None else []
-            close = difflib.get_close_matches(keys[-1], fields, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            lines.append(f"{key}: unknown key{hint}")
-        elif keys:
-            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
-        else:  # a cross-field check: its message names the keys
-            lines.append(e["msg"].removeprefix("Value error, "))
-    return ConfigError(f"{source}: invalid recipe\n  " + "\n  ".join(lines))
-
-
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     """Load defaults < recipe (with its optional single `base:` parent) < dotted overrides.
 
@@ -392,27 +284,14 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
         recipe: YAML recipe path, or None for the defaults alone.
         overrides: `section.key=value` strings; values are parsed as YAML.
     """
-    tree: dict[str, Any] = {}
-    source = "defaults"
-    if recipe is not None:
-        path = Path(recipe)
-        tree = _read_yaml(path)
-        source = str(path)
-        if "base" in tree:
-            parent = path.parent / str(tree.pop("base"))
-            parent_tree = _read_yaml(parent)
-            if "base" in parent_tree:
-                raise ConfigError(f"{path}: base recipe {parent} has its own base; at most one parent is allowed")
-            tree = _merge(parent_tree, tree)
-    for override in overrides:
-        _set_dotted(tree, override)
+    tree = recipe_tree(recipe, overrides)
     objective = tree.setdefault("objective", {})
     if isinstance(objective, dict) and "kind" not in objective:
         objective["kind"] = OBJECTIVES_BY_STAGE.get(tree.get("stage", "pretrain"), ("mae",))[0]
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
-        raise _explain(err, source) from None
+        raise explain(err, "defaults" if recipe is None else str(Path(recipe)), Config) from None
 
 
 def dump_config(cfg: Config) -> str:

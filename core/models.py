@@ -2,19 +2,25 @@
 
 The backbone is a plain `timm.models.vision_transformer.VisionTransformer` created through `timm.create_model`
 under a registered architecture name, so an exported `config.json` ("architecture" + "model_args") rebuilds the
-same model in stock timm. Nothing distributed lives here.
+same model in stock timm. `build_model` builds it from the recipe. Nothing distributed lives here: a ZeRO-3 build
+redoes timm's initialisation from core/engine/zero_init.py.
 
 Shape legend:
     D: embedding width    gh, gw: patch grid rows, columns    N: gh * gw patches    P: prefix (cls) tokens
 """
 
-from typing import Any
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import timm
 import torch
 from timm.layers import to_2tuple
 from timm.models import get_model_args
 from timm.models.vision_transformer import VisionTransformer
+
+if TYPE_CHECKING:
+    from core.config import Config
 
 VIT_SIZES: dict[str, dict] = {
     "tiny": dict(embed_dim=192, depth=12, num_heads=3),
@@ -103,6 +109,32 @@ def build_vit(
         name = f"deit_{size}_distilled_patch16_224"
         name = name if timm.is_model(name) else "deit_base_distilled_patch16_224"  # model_args set the shape anyway
     return timm.create_model(name, pretrained=False, **model_args)
+
+
+def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> VisionTransformer:
+    """The timm ViT the recipe describes (DeiT's distilled variant when fine-tuning with `distill`, unless `plain`).
+
+    Args:
+        cfg: The recipe; `model` gives the architecture, `engine.activation_checkpointing` the gradient checkpointing.
+        num_classes: Classifier outputs; 0 means no head (a pure encoder).
+        plain: Build the plain ViT even when the recipe distills.
+    """
+    m = cfg.model
+    model = build_vit(
+        m.size,
+        img_size=m.img_size,
+        patch_size=m.patch_size,
+        num_classes=num_classes,
+        global_pool="token" if m.global_pool == "auto" else m.global_pool,  # fine-tuning resolves auto first
+        drop_path_rate=m.drop_path_rate,
+        embed_dim=m.embed_dim,
+        depth=m.depth,
+        num_heads=m.num_heads,
+        distilled=not plain and cfg.stage == "finetune" and cfg.distill.kind != "none",
+        **({"init_values": m.layer_scale_init} if m.layer_scale_init is not None else {}),
+    )
+    model.set_grad_checkpointing(cfg.engine.activation_checkpointing)
+    return model
 
 
 def vit_model_args(model: VisionTransformer) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from core.config import Config
-from core.engine.stage import build_model
+from core.models import build_model
 from core.preflight import Findings, describe_spec
 from data.specs import dataset_classes
 from finetune.checkpoints import read_checkpoint

@@ -9,16 +9,10 @@ from __future__ import annotations
 import sys
 
 from core.engine.failure import run_guarded
-from core.engine.stage import (
-    export_state_dict,
-    finish_stage,
-    gather_state_dict,
-    run_loop,
-    seed_everything,
-    start_engine,
-    start_stage,
-    train_stream,
-)
+from core.engine.gather import export_state_dict, gather_state_dict
+from core.engine.loop import LoopHooks
+from core.engine.run import finish_stage, run_loop, seed_everything, start_engine, start_stage
+from core.engine.stream import train_stream
 from pretrain.export import main as export_main
 from pretrain.export import pretrain_manifest
 from pretrain.objectives import objective_builder, train_transform
@@ -48,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     log_images = picture_hook(run, engine)
 
     # Loop
-    code = run_loop(run, engine, optimizer, batches, log_images=log_images)
+    code = run_loop(run, engine, optimizer, batches, LoopHooks(log_images=log_images))
     if code:
         return code
 

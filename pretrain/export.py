@@ -14,7 +14,7 @@ from core.config import Config, load_config
 from core.engine import ds_compat
 from core.engine.checkpoint import LATEST
 from core.engine.fp16 import zero0_masters_from_checkpoint
-from core.engine.stage import export_state_dict
+from core.engine.gather import export_state_dict
 
 
 def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:

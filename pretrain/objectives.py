@@ -11,8 +11,8 @@ from pathlib import Path
 from torch import nn
 
 from core.config import Config
-from core.engine.stage import build_model
 from core.manifest import MANIFEST_NAME
+from core.models import build_model
 from core.sections import BEiTObjective, BlockwiseMask
 from data.masking import BlockwiseMaskGenerator, RandomMaskGenerator
 from data.transforms import TwoViewCropFlip, WithMask, pretrain_transform

@@ -13,7 +13,7 @@ def check(cfg: Config, findings: Findings) -> None:
     o = cfg.objective
     if not (isinstance(o, BEiTObjective) and o.target.kind == "tokenizer"):
         return
-    # Imported only for the recipes that need them: they pull in timm and torchvision, ~1.5 s before every launch.
+    # Imported only for the recipes that need them: they pull in timm and torchvision, which would delay every launch.
     import safetensors
 
     from pretrain.targets import TokenizerCodes

@@ -16,16 +16,10 @@ import torch
 from core.config import Config
 from core.engine.distributed import all_reduce
 from core.engine.export import atomic_folder, check_replaceable
-from core.engine.loop import autocast_context
-from core.engine.stage import (
-    StageRun,
-    finish_stage,
-    gather_state_dict,
-    run_loop,
-    seed_everything,
-    start_engine,
-    train_stream,
-)
+from core.engine.gather import gather_state_dict
+from core.engine.loop import LoopHooks, autocast_context
+from core.engine.run import StageRun, finish_stage, run_loop, seed_everything, start_engine
+from core.engine.stream import train_stream
 from core.sections import VQVAEObjective
 from data.transforms import eval_transform, pretrain_transform
 from pretrain.pictures import code_usage, code_usage_picture, fixed_batch
@@ -109,7 +103,7 @@ def train_tokenizer(run: StageRun) -> int:
             run.logger.image("train/code_usage", step, code_usage_picture(counts))
 
     # Loop
-    code = run_loop(run, engine, optimizer, batches, log_images=log_images)
+    code = run_loop(run, engine, optimizer, batches, LoopHooks(log_images=log_images))
     if code:
         return code
 

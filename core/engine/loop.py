@@ -13,17 +13,19 @@ import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from core.config import Config
 from core.engine import preempt
 from core.engine.checkpoint import RNGState, save_checkpoint
-from core.engine.distributed import DistInfo, all_reduce
+from core.engine.distributed import all_reduce
 from core.engine.ds_compat import loss_scale, scales_loss_itself, skipped_steps
 from core.engine.schedule import lr_at
-from core.logging import MetricsLogger
+
+if TYPE_CHECKING:
+    from core.engine.run import StageRun
 
 
 class NonFiniteLossError(RuntimeError):
@@ -108,29 +110,34 @@ def _grad_norm(engine, optimizer, world_size: int) -> float | None:
     return float(sq_norm.sqrt())
 
 
-def train(
-    *,
-    cfg: Config,
-    engine,
-    optimizer,
-    batches: Iterator[dict],
-    dist: DistInfo,
-    state: TrainState,
-    total_steps: int,
-    warmup_steps: int,
-    logger: MetricsLogger,
-    run_dir: Path,
-    config_yaml: str,
-    evaluate: Callable[[int], dict[str, float]] | None = None,
-    log_images: Callable[[int], None] | None = None,
-    after_update: Callable[[int], None] | None = None,
-) -> TrainState:
-    """Run optimizer steps `state.step + 1 .. total_steps`; returns the final state (also checkpointed).
+@dataclass
+class LoopHooks:
+    """What a stage adds to the loop, each called with the step number."""
+
+    evaluate: Callable[[int], dict[str, float]] | None = None
+    """Every `eval.every_steps` and at the last step; returns the scalars to log."""
+    log_images: Callable[[int], None] | None = None
+    """Every `logging.image_every_steps`, and at the first and last step."""
+    after_update: Callable[[int], None] | None = None
+    """After every applied (not vetoed) optimizer update, e.g. to move an EMA of the weights."""
+
+
+def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: LoopHooks) -> TrainState:
+    """Run optimizer steps `run.state.step + 1 .. run.total_steps`; returns the final state (also checkpointed).
+
+    Args:
+        run: The stage: config, ranks, run_dir, schedule length, train state (updated in place) and logger.
+        engine: The DeepSpeed engine.
+        optimizer: The Guarded optimizer it steps.
+        batches: The endless per-rank stream of micro-batches.
+        hooks: What the stage adds (evaluation, pictures, an EMA).
 
     Raises:
         NonFiniteLossError: After `engine.max_consecutive_nonfinite` non-finite steps in a row.
         PreemptedError: After the step during which some rank received SIGTERM, once its checkpoint is saved.
     """
+    cfg, dist, state, logger = run.cfg, run.dist, run.state, run.logger
+    total_steps, warmup_steps = run.total_steps, run.warmup_steps
     accum, precision, device = cfg.engine.grad_accum_steps, cfg.engine.precision, dist.device
     micro_batch = cfg.batch_size_per_device(dist.world_size)
     window = _Window(device)
@@ -162,8 +169,8 @@ def train(
             log_now = log_now or stop  # the last step before a preemption is logged too
             with optimizer.guard(skip=skip, measure=log_now):
                 engine.step()
-            if after_update is not None and not skip:
-                after_update(step)  # e.g. the EMA of the weights follows the update just applied
+            if hooks.after_update is not None and not skip:
+                hooks.after_update(step)  # e.g. the EMA of the weights follows the update just applied
         window.add_step(step_loss / accum, micro_batch * accum * dist.world_size)
         if log_now:
             grad_norm = _grad_norm(engine, optimizer, dist.world_size)
@@ -177,16 +184,16 @@ def train(
             logger.scalars(step, values)
             logger.progress(step, values)
         if not stop:  # a preempted run has seconds left (torchrun's and SLURM's grace): only the checkpoint counts
-            _periodic_extras(cfg, step, first_step, total_steps, logger, evaluate, log_images)
+            _periodic_extras(cfg, step, first_step, total_steps, logger, hooks)
         state.step = step
         if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:
             tag_dir = save_checkpoint(
                 engine,
-                run_dir=run_dir,
+                run_dir=run.run_dir,
                 step=step,
                 dist=dist,
                 states={"train": state, "rng": RNGState()},
-                config_yaml=config_yaml,
+                config_yaml=run.config_yaml,
                 keep_last=cfg.checkpoint.keep_last,
             )
         if stop:
@@ -199,16 +206,16 @@ def train(
     return state
 
 
-def _periodic_extras(cfg: Config, step: int, first_step: int, total_steps: int, logger, evaluate, log_images) -> None:
+def _periodic_extras(cfg: Config, step: int, first_step: int, total_steps: int, logger, hooks: LoopHooks) -> None:
     """Pictures every `logging.image_every_steps` (and at the first and last step), evaluation every `eval.every_steps`
     and at the last step. Both run before the step's checkpoint, so that it holds what the evaluation changed (the
     best score of a fine-tuning run)."""
     image_every = cfg.logging.image_every_steps
-    if log_images is not None and image_every and (step % image_every == 0 or step in (first_step, total_steps)):
-        log_images(step)
+    if hooks.log_images is not None and image_every and (step % image_every == 0 or step in (first_step, total_steps)):
+        hooks.log_images(step)
     every = cfg.eval.every_steps
-    if evaluate is not None and (step == total_steps or (every and step % every == 0)):
-        logger.scalars(step, evaluate(step))
+    if hooks.evaluate is not None and (step == total_steps or (every and step % every == 0)):
+        logger.scalars(step, hooks.evaluate(step))
 
 
 def _agree_on_step(step_loss, precision: str, state: TrainState, cfg: Config, step: int) -> tuple[bool, bool]:

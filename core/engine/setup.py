@@ -105,9 +105,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
             "reduce_scatter": True,
             # Buffer sizes in elements (fp32: 200 MB at 5e7). DeepSpeed's 5e8 defaults mean a 2 GB gradient bucket per
             # rank, more than ViT-L's whole gradient, and ZeRO-3 then keeps every gathered weight alive from forward
-            # to backward (reuse distance 1e9): `make bench-memory` measured those costs (benchmarks/results/).
-            # A 2e7 gradient bucket took 0.4 GiB off ZeRO-3's peak for MAE ViT-L over 5e7, and ran faster at ZeRO-2
-            # and ZeRO-3 (the stages measured).
+            # to backward (reuse distance 1e9). A smaller gradient bucket lowers ZeRO-3's peak memory without
+            # slowing the step at ZeRO-2 or ZeRO-3.
             "reduce_bucket_size": 20_000_000,
             "allgather_partitions": True,
             "allgather_bucket_size": 50_000_000,
@@ -168,7 +167,7 @@ def build_optimizer(objective: nn.Module, cfg: Config, layout: nn.Module | None 
 def set_attention(module: nn.Module, kind: str, device: torch.device) -> str:
     """Pick the attention kernel of every timm `Attention` in `module` (`engine.attention`); returns the choice.
 
-    On CPU, torch's fused scaled_dot_product_attention is 2-3x slower in bf16 than timm's explicit matmul-softmax
+    On CPU, torch's fused scaled_dot_product_attention is slower in bf16 than timm's explicit matmul-softmax
     path at ViT shapes (its backward especially; see benchmarks/), so `auto` takes the explicit path there.
     """
     choice = resolve_attention(kind, device)

@@ -1,13 +1,13 @@
-"""ZeRO-3's per-step work, trimmed to what our objectives need. Three costs DeepSpeed adds over a plain loop that
-`make bench` measured for MAE ViT-B at batch 32 on CPU (world size 1), each removed here without changing a number:
+"""ZeRO-3's per-step work, trimmed to what our objectives need. Three costs DeepSpeed adds over a plain loop, each
+removed here without changing a number:
 
 1. Hooks on every layer. DeepSpeed gathers and releases weights from Python hooks on each module that holds any;
-   `gather_per_block` makes each transformer block one unit (0.2 s per step).
+   `gather_per_block` makes each transformer block one unit.
 2. DeepSpeed's replacement for `F.linear` (`memory_efficient_linear`), which saves the fp32 weight instead of its
    bf16 copy, so that gathered weights can be freed between forward and backward, but adds each bias in a separate
-   mixed-precision pass. `Linear32` keeps the memory saving and runs the forward as `F.linear` does (0.2 s).
+   mixed-precision pass. `Linear32` keeps the memory saving and runs the forward as `F.linear` does.
 3. Two passes over the gradients in the optimizer step that are identities without clipping or loss scaling (the
-   global norm and the unscale); `skip_identity_grad_passes` drops them (0.07 s). It patches the ZeRO-3 optimizer's
+   global norm and the unscale); `skip_identity_grad_passes` drops them. It patches the ZeRO-3 optimizer's
    private methods, so it lives with the other DeepSpeed patches in `ds_compat.py`.
 """
 

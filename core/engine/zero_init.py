@@ -7,8 +7,9 @@ plain models that initialise their weights one module at a time through `Module.
 module's own parameters; inside zero.Init, DeepSpeed wraps `apply` to lend each call the full values of the module's
 parameters and to scatter rank 0's values back to every rank's partition (`ds_compat` patch `zero_init_apply`;
 `deepspeed_config` sets `override_module_apply`). timm's ViT initialises its sub-modules by its own traversal
-(`named_apply`), so `init_partitioned_vit` redoes that under `gathered`. Outside zero.Init, `apply` and `gathered`
-change nothing: the same code builds the ordinary model.
+(`named_apply`), so `build_partitioned` has `init_partitioned_vit` redo that under `gathered` as the last step of the
+ViT's own initialisation, before an objective's `__init__` goes on to initialise its own way (MAE re-initialises the
+encoder). Outside zero.Init, `apply` and `gathered` change nothing: the same code builds the ordinary model.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable
 
+import timm
 import torch
 from timm.models import named_apply
-from timm.models.vision_transformer import init_weights_vit_timm
+from timm.models.vision_transformer import VisionTransformer, init_weights_vit_timm
 from torch import nn
 
 from core.engine.ds_compat import is_zero3_param
@@ -60,10 +62,36 @@ def build_partitioned(build: Callable[[], nn.Module], ds_config: dict) -> tuple[
     """
     import deepspeed
 
+    redone: list[nn.Module] = []
     # No `dtype=`: DeepSpeed 0.19 ignores an explicit float32 on accelerators without fp16 (CPU) and picks bf16;
     # from the config it takes fp32 (our bf16 is autocast over fp32 weights) or fp16 with engine.precision fp16.
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+    with deepspeed.zero.Init(config_dict_or_path=ds_config), _vit_init_redone(redone):
         objective = build()
+    vits = [m for m in objective.modules() if isinstance(m, VisionTransformer)]
+    if len(redone) != len(vits):
+        raise RuntimeError(
+            f"ZeRO-3 build: {len(vits)} timm VisionTransformer(s) built but {len(redone)} initialised through "
+            f"VisionTransformer.init_weights (timm {timm.__version__}); its __init__ no longer ends with init_weights, "
+            f"so their partitioned weights would keep DeepSpeed's placeholders"
+        )
     with torch.device("meta"):
         layout = build()
     return objective, layout
+
+
+@contextlib.contextmanager
+def _vit_init_redone(redone: list[nn.Module]):
+    """Inside the block, every timm ViT ends its own initialisation (`init_weights`, called at the end of its
+    `__init__`) with `init_partitioned_vit`, and is appended to `redone`."""
+    original = VisionTransformer.init_weights
+
+    def init_weights(self: VisionTransformer, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        init_partitioned_vit(self)
+        redone.append(self)
+
+    VisionTransformer.init_weights = init_weights
+    try:
+        yield
+    finally:
+        VisionTransformer.init_weights = original

@@ -14,7 +14,8 @@ from torch import nn
 from core.config import dump_config, load_config
 from core.engine.distributed import init_distributed
 from core.engine.fp16 import fp32_master_weights
-from core.engine.loop import NonFiniteLossError, TrainState, train
+from core.engine.loop import LoopHooks, NonFiniteLossError, TrainState, train
+from core.engine.run import StageRun
 from core.engine.setup import parallelize
 from core.logging import MetricsLogger
 from tests.dist.cpu_fp16 import allow_cpu_fp16
@@ -67,19 +68,20 @@ def main(out: Path, zero_stage: int, precision: str) -> None:
     logger = MetricsLogger(out / "run", enabled=dist.is_main, tensorboard=False, total_steps=8)
     state = TrainState()
     try:
-        train(
+        run = StageRun(
             cfg=cfg,
-            engine=engine,
-            optimizer=optimizer,
-            batches=batches(),
+            recipe="",
             dist=dist,
-            state=state,
-            total_steps=8,
-            warmup_steps=0,
-            logger=logger,
             run_dir=out / "run",
             config_yaml=dump_config(cfg),
+            samples=None,
+            total_steps=8,
+            warmup_steps=0,
+            resume=None,
+            state=state,
+            logger=logger,
         )
+        train(run, engine, optimizer, batches(), LoopHooks())
         error = None
     except NonFiniteLossError as err:
         error = str(err)

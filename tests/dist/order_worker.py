@@ -13,7 +13,7 @@ from pathlib import Path
 
 from core.config import load_config
 from core.engine.distributed import init_distributed, shutdown
-from core.engine.stage import train_stream
+from core.engine.stream import train_stream
 from data.transforms import eval_transform
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.launching import TINY_MODEL, launch, read_metrics, write_recipe
@@ -40,8 +41,12 @@ def finetune_recipe(shards, run_dir, init, **engine) -> dict:
 def test_handoff_resize_and_exactly_once_eval(zero2_run, shards, tmp_path, zero_stage):
     pretrain_dir, _ = zero2_run
     recipe = finetune_recipe(shards, tmp_path / "run", pretrain_dir / "export", zero_stage=zero_stage)
+    recipe["model"]["global_pool"] = "auto"  # the MAE export's pooling_hint says avg
     proc = launch(write_recipe(tmp_path / "tiny_finetune.yaml", recipe))
     assert proc.returncode == 0, proc.stdout[-4000:]
+    # The saved configs are the one the run used: the pooling resolved from the hint, not "auto".
+    for saved in (tmp_path / "run" / "config.yaml", tmp_path / "run" / "checkpoints" / "step_00000004" / "config.yaml"):
+        assert yaml.safe_load(saved.read_text())["model"]["global_pool"] == "avg", saved
 
     report = json.loads((tmp_path / "run" / "load_report.json").read_text())
     assert report["resized"] == [["pos_embed", [4, 4], [5, 5]]]

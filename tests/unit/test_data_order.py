@@ -185,7 +185,7 @@ def test_plain_specs_keep_their_meaning_and_mixtures_round_trip():
 
 
 def test_launch_plan_gives_each_mixture_source_its_share_and_passes(two_sources):
-    from core.engine.stage import mixture_plan
+    from core.engine.plan import mixture_plan
 
     dirs = [s[0].rsplit("/", 1)[0] for s in two_sources]
     cfg = load_config(None, [f"data.train=[{{shards: {dirs[0]}}}, {{shards: {two_sources[1]}, weight: 0.5}}]"])

@@ -1,0 +1,153 @@
+"""A stage's life, as both entry points run it: `start_stage` (config, process group, run dir, resume point, logger),
+`start_engine` (the DeepSpeed engine with its checkpoint restored), `run_loop` (the loop, turned into an exit code)
+and `finish_stage`."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from core.config import Config, dump_config, load_config
+from core.engine import preempt
+from core.engine.checkpoint import RNGState, find_resume, load_checkpoint, load_states
+from core.engine.distributed import DistInfo, init_distributed, shutdown
+from core.engine.ds_compat import is_partitioned, partition_report
+from core.engine.failure import log_tracebacks_to
+from core.engine.loop import LoopHooks, NonFiniteLossError, PreemptedError, TrainState, train
+from core.engine.plan import launch_plan
+from core.engine.preempt import EXIT_PREEMPTED
+from core.engine.setup import parallelize
+from core.logging import MetricsLogger
+from data.specs import dataset_size
+
+EXIT_NONFINITE = 3
+"""Process exit code after `engine.max_consecutive_nonfinite` non-finite losses in a row (see `run_loop`)."""
+
+
+@dataclass
+class StageRun:
+    """Everything a stage entry point holds between its sections, and what the loop runs on."""
+
+    cfg: Config
+    recipe: str
+    dist: DistInfo
+    run_dir: Path
+    config_yaml: str
+    """The resolved config as run_dir/config.yaml holds it; every checkpoint saves it too."""
+    samples: int | None
+    total_steps: int
+    warmup_steps: int
+    resume: dict | None
+    state: TrainState
+    logger: MetricsLogger
+
+
+def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config], None] | None = None) -> StageRun:
+    """Parse `RECIPE [overrides]`, load the config, join the process group, prepare run_dir, find the resume point.
+
+    Resume order: this run_dir's `checkpoints/latest`, else from scratch (fine-tuning applies `model.init`
+    first; a resumed checkpoint is loaded over it).
+
+    Args:
+        prog: The command, for the usage message.
+        argv: The arguments after it.
+        resolve: Completes in place what the recipe leaves to the run (fine-tuning's `model.global_pool: auto`),
+            before the config is written to run_dir/config.yaml and logged, so that both say what the run used.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description="Run a recipe: RECIPE [section.key=value ...]")
+    parser.add_argument("recipe", help="YAML recipe")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.base_lr=1e-4")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.recipe, args.overrides)
+    log_tracebacks_to(cfg.run_dir)  # an error from here on leaves its traceback in run_dir/logs (see run_guarded)
+    preempt.install()  # before the data stream forks its workers, which must outlive a SIGTERM (see preempt.py)
+    dist = init_distributed(cfg.engine.device)
+    if resolve is not None:
+        resolve(cfg)
+    run_dir, config_yaml = prepare_run_dir(cfg, dist)
+    samples = cfg.data.samples_per_epoch or dataset_size(cfg.data.train)
+    total_steps, warmup_steps = cfg.steps(samples)
+    resume = find_resume(run_dir, dist.rank, dist.world_size)
+    logger = MetricsLogger(run_dir, enabled=dist.is_main, tensorboard=cfg.logging.tensorboard, total_steps=total_steps)
+    if resume is None:  # TensorBoard would keep a run's first hparams anyway; the resumed config is in config.yaml
+        logger.hparams(cfg.model_dump(mode="json"))
+    state = TrainState()
+    load_states(resume, {"train": state})  # the data position is needed before the engine; the RNGs come after it
+    return StageRun(
+        cfg, args.recipe, dist, run_dir, config_yaml, samples, total_steps, warmup_steps, resume, state, logger
+    )
+
+
+def start_engine(run: StageRun, objective: nn.Module | Callable[[], nn.Module]):
+    """DeepSpeed engine for `objective` (built under the shared seed), the checkpoint restored; prints the plan.
+    `objective` may be the function that builds it (see `parallelize`)."""
+    cfg, dist = run.cfg, run.dist
+    universal = run.resume is not None and run.resume["universal"]
+    engine, optimizer = parallelize(objective, cfg=cfg, dist=dist, run_dir=run.run_dir, load_universal=universal)
+    seed_everything(cfg.seed + dist.rank)  # per-rank randomness (masks, drop path) from here on
+    run.logger.console(
+        launch_plan(cfg, dist, total_steps=run.total_steps, warmup_steps=run.warmup_steps, samples=run.samples)
+    )
+    if is_partitioned(engine.module):
+        run.logger.console(f"[mimpipe] ZeRO-3 partitioned parameters: {partition_report(engine.module)}")
+    if run.resume is not None:
+        load_checkpoint(engine, run_dir=run.run_dir, resume=run.resume, states={"rng": RNGState()})
+        run.logger.console(
+            f"[mimpipe] resumed from {run.run_dir / 'checkpoints' / run.resume['tag']} at step {run.state.step}"
+        )
+        if "from_world_size" in run.resume:
+            run.logger.console(
+                f"[mimpipe] world size changed from {run.resume['from_world_size']} to {dist.world_size}: model and "
+                f"optimizer state loaded from {run.resume['load_tag']}; the data streams restart for the new ranks"
+            )
+    return engine, optimizer
+
+
+def run_loop(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: LoopHooks | None = None) -> int:
+    """The training loop; returns the process exit code.
+
+    Returns:
+        0 when every step ran; `EXIT_NONFINITE` (3) after too many non-finite losses in a row; `EXIT_PREEMPTED` (4)
+        after a SIGTERM, once the checkpoint of the step reached is saved. On a non-zero code the logger is closed
+        and the stage should return the code.
+    """
+    preempt.install()  # normally done by start_stage already; SIGTERM is only deferred while the loop runs
+    try:
+        train(run, engine, optimizer, batches, hooks or LoopHooks())
+    except (NonFiniteLossError, PreemptedError) as err:
+        code = EXIT_PREEMPTED if isinstance(err, PreemptedError) else EXIT_NONFINITE
+        run.logger.console(f"[mimpipe] {err} (exit code {code})")
+        run.logger.close()  # TensorBoard keeps events in memory for up to two minutes
+        return code
+    finally:
+        preempt.restore()
+    return 0
+
+
+def finish_stage(run: StageRun) -> None:
+    run.logger.console(f"[mimpipe] TensorBoard: tensorboard --logdir {run.run_dir / 'tb'}")
+    run.logger.close()
+    shutdown()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def prepare_run_dir(cfg: Config, dist: DistInfo) -> tuple[Path, str]:
+    """Create run_dir and write the resolved config to run_dir/config.yaml (rank 0)."""
+    run_dir = Path(cfg.run_dir)
+    config_yaml = dump_config(cfg)
+    if dist.is_main:
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml)
+    return run_dir, config_yaml
