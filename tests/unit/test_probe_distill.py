@@ -95,7 +95,15 @@ def test_distillation_objective_combines_the_two_losses_and_averages_heads_in_ev
     out = objective(batch)
     torch.testing.assert_close(out["loss"], 0.5 * out["loss_base"] + 0.5 * out["loss_teacher"])
     out["loss"].backward()
-    assert student.head_dist.weight.grad is not None and student.head.weight.grad is not None
+    # Each head learns from its own half of the loss: the class head from the labels, the other from the teacher's
+    # hard decisions.
+    logits, dist_logits = student(batch["image"])  # (B, K) each
+    (label_part,) = torch.autograd.grad(0.5 * F.cross_entropy(logits, batch["label"]), student.head.weight)
+    teacher_labels = teacher(batch["image"]).argmax(dim=-1)
+    (teacher_part,) = torch.autograd.grad(0.5 * F.cross_entropy(dist_logits, teacher_labels), student.head_dist.weight)
+    assert teacher_part.abs().sum() > 0 and label_part.abs().sum() > 0
+    torch.testing.assert_close(student.head_dist.weight.grad, teacher_part)
+    torch.testing.assert_close(student.head.weight.grad, label_part)
     assert not any(p.grad is not None for p in teacher.parameters()) and "teacher" not in dict(
         objective.named_modules()
     )
