@@ -1,4 +1,4 @@
-"""Session fixtures for tests/dist and tests/gpu: synthetic shards and one finished tiny MAE run."""
+"""Session fixtures shared by tests/dist and tests/gpu: synthetic shards."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launching import launch, pretrain_recipe, write_recipe, write_synthetic
+from tests.launching import write_synthetic
 
 
 @pytest.fixture(scope="session")
@@ -17,13 +17,3 @@ def shards(tmp_path_factory) -> dict[str, Path]:
         "train": write_synthetic(root / "train", "train", 512, 64, seed=0),
         "val": write_synthetic(root / "val", "val", 203, 70, seed=1),
     }
-
-
-@pytest.fixture(scope="session")
-def zero2_run(shards, tmp_path_factory):
-    """6 steps of MAE, ZeRO-2, 2 processes, checkpoints at 3 and 6."""
-    tmp = tmp_path_factory.mktemp("zero2")
-    recipe = write_recipe(tmp / "tiny_mae.yaml", pretrain_recipe(shards, tmp / "run"))
-    proc = launch(recipe)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return tmp / "run", proc.stdout

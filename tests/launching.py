@@ -29,9 +29,9 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
-def launch(recipe: Path, *overrides: str, nproc: int = 2, timeout: int = 300, extra_env: dict | None = None):
-    """Run ./launch.sh as a user would; returns the CompletedProcess (stdout and stderr merged)."""
-    env = {
+def launch_env(nproc: int = 2, extra_env: dict | None = None) -> dict[str, str]:
+    """The environment ./launch.sh gets in the tests: `nproc` processes, a free port, this Python, one thread each."""
+    return {
         **os.environ,
         "NPROC_PER_NODE": str(nproc),
         "MASTER_PORT": str(free_port()),
@@ -39,15 +39,31 @@ def launch(recipe: Path, *overrides: str, nproc: int = 2, timeout: int = 300, ex
         "OMP_NUM_THREADS": "1",
         **(extra_env or {}),
     }
+
+
+def launch(recipe: Path, *overrides: str, nproc: int = 2, timeout: int = 300, extra_env: dict | None = None):
+    """Run ./launch.sh as a user would; returns the CompletedProcess (stdout and stderr merged)."""
     return subprocess.run(
         [str(REPO / "launch.sh"), str(recipe), *overrides],
         cwd=REPO,
-        env=env,
+        env=launch_env(nproc, extra_env),
         timeout=timeout,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def torchrun(script: str, *args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the worker tests/dist/`script` with `args` under torchrun: `nproc` gloo processes on the CPU, one thread
+    each. Asserts that every process exited 0 (failing with the end of its stderr) and returns the CompletedProcess
+    (stdout and stderr apart)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += ["--master-port", str(free_port()), str(REPO / "tests" / "dist" / script), *map(str, args)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} {' '.join(map(str, args))}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    return proc
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -118,6 +134,31 @@ def pretrain_recipe(shards: dict[str, Path], run_dir: Path, **sections) -> dict:
     for key, value in sections.items():
         recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
     return recipe
+
+
+def finetune_recipe(shards: dict[str, Path], run_dir: Path, init: Path, **engine) -> dict:
+    """Tiny fine-tuning from the export `init`, 16 -> 20 px (pos-embed 4x4 -> 5x5), 4 steps, evaluation at 2 and 4."""
+    return {
+        "stage": "finetune",
+        "run_dir": str(run_dir),
+        "model": {**TINY_MODEL, "img_size": 20, "global_pool": "avg", "init": str(init)},
+        "data": {
+            "train": str(shards["train"]),
+            "val": str(shards["val"]),
+            "global_batch_size": 32,
+            "num_workers": 1,
+            "eval_batch_size_per_device": 16,
+            "crop_scale": [0.5, 1.0],
+            "eval_crop_pct": 1.0,
+        },
+        "objective": {"kind": "classification", "label_smoothing": 0.1},
+        "optim": {"base_lr": 1e-3, "betas": [0.9, 0.999]},
+        "schedule": {"steps": 4, "warmup_steps": 1},
+        "engine": {"zero_stage": 1, **engine},
+        "checkpoint": {"every_steps": 4},
+        "logging": {"every_steps": 2},
+        "eval": {"every_steps": 2},
+    }
 
 
 def write_class_ordered(out: Path, prefix: str, num_classes: int, per_class: int = 40, shard_size: int = 50) -> Path:

@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from core.engine.ds_compat import universal_command
-from tests.launching import REPO, free_port
+from tests.launching import torchrun
 
 pytestmark = pytest.mark.dist
-
-
-def _worker(run_dir: Path, phase: str, nproc: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    cmd += ["--master-port", str(free_port()), str(REPO / "tests" / "dist" / "elastic_worker.py"), str(run_dir), phase]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _universal(tag_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -41,9 +32,9 @@ def _universal(tag_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def test_zero2_checkpoint_moves_from_2_to_1_process_and_back(tmp_path):
     run_dir = tmp_path / "run"
-    _worker(run_dir, "train", 2)  # step 3, world size 2
-    _worker(run_dir, "resave", 1)  # resumes step 3 through its universal checkpoint, saves step 103
-    _worker(run_dir, "resave", 2)  # resumes step 103 (world size 1), saves step 203
+    torchrun("elastic_worker.py", run_dir, "train", nproc=2)  # step 3, world size 2
+    torchrun("elastic_worker.py", run_dir, "resave", nproc=1)  # resumes step 3 (universal checkpoint), saves 103
+    torchrun("elastic_worker.py", run_dir, "resave", nproc=2)  # resumes step 103 (world size 1), saves step 203
     ckpt = run_dir / "checkpoints"
     assert (ckpt / "step_00000003" / "universal").is_dir() and (ckpt / "step_00000103" / "universal").is_dir()
     written_by_2, after_1, after_2 = (_universal(ckpt / f"step_{s:08d}") for s in (3, 103, 203))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launching import REPO, free_port, launch, losses, pretrain_recipe, write_recipe
+from tests.launching import REPO, launch, launch_env, losses, pretrain_recipe, write_recipe
 
 pytestmark = pytest.mark.dist
 
@@ -24,18 +24,11 @@ LONG = {"schedule": {"steps": 400, "warmup_steps": 2}, "logging": {"every_steps"
 def _start(recipe: Path, log: Path) -> subprocess.Popen:
     """./launch.sh in its own session (as a batch system would start it); output to `log`. launch.sh execs
     torchrun, so the returned pid is torchrun's."""
-    env = {
-        **os.environ,
-        "NPROC_PER_NODE": "2",
-        "MASTER_PORT": str(free_port()),
-        "PYTHON": sys.executable,
-        "OMP_NUM_THREADS": "1",
-    }
     with open(log, "w") as out:
         return subprocess.Popen(
             [str(REPO / "launch.sh"), str(recipe)],
             cwd=REPO,
-            env=env,
+            env=launch_env(nproc=2),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

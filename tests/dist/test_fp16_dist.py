@@ -1,10 +1,9 @@
-"""Recipes: the tiny MAE of tests/dist (conftest `pretrain_recipe`) and its fine-tuning in `engine.precision: fp16`,
-2 gloo processes under torchrun, with fp16 allowed on this CPU by tests/dist/cpu_fp16.py."""
+"""Recipes: the tiny MAE (tests/launching.py `pretrain_recipe`) and its fine-tuning (`finetune_recipe`) in
+`engine.precision: fp16`, 2 gloo processes under torchrun, with fp16 allowed on this CPU by tests/dist/cpu_fp16.py."""
 
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -14,23 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist.test_finetune_dist import finetune_recipe
-from tests.launching import REPO, free_port, losses, pretrain_recipe, read_metrics, write_recipe
+from tests.launching import REPO, finetune_recipe, pretrain_recipe, read_metrics, torchrun, write_recipe
 
 pytestmark = pytest.mark.dist
 
 
-def run_fp16(stage: str, recipe: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    cmd += [str(REPO / "tests" / "dist" / "cpu_fp16.py"), stage, str(recipe)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-
-
 def pretrain_fp16(shards, tmp_path: Path, name: str, **engine) -> Path:
     recipe = pretrain_recipe(shards, tmp_path / name, engine={"precision": "fp16", **engine})
-    proc = run_fp16("pretrain", write_recipe(tmp_path / f"{name}.yaml", recipe))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun("cpu_fp16.py", "pretrain", write_recipe(tmp_path / f"{name}.yaml", recipe))
     assert "precision fp16" in proc.stdout
     return tmp_path / name
 
@@ -70,8 +60,7 @@ def test_fp16_trains_like_bf16_at_zero2_and_zero3_and_hands_off(zero2_run, shard
 
     recipe = finetune_recipe(shards, tmp_path / "finetune", tmp_path / "zero2" / "export", precision="fp16")
     recipe["optim"] |= {"ema_decay": 0.9}
-    proc = run_fp16("finetune", write_recipe(tmp_path / "finetune.yaml", recipe))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("cpu_fp16.py", "finetune", write_recipe(tmp_path / "finetune.yaml", recipe))
     evals = [m for m in read_metrics(tmp_path / "finetune") if "val/top1" in m]
     assert [m["step"] for m in evals] == [2, 4] and all(m["val/samples"] == 203 for m in evals)
     assert all(math.isfinite(m["val/loss"]) and math.isfinite(m["val_ema/loss"]) for m in evals)
@@ -103,8 +92,7 @@ def test_fp16_overflow_skips_steps_and_halves_the_scale_at_zero0(shards, tmp_pat
     (resumed / "metrics.jsonl").unlink()
     recipe = tmp_path / "resumed.yaml"
     recipe.write_text((run_dir / "config.yaml").read_text().replace(str(run_dir), str(resumed)))
-    proc = run_fp16("pretrain", recipe)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("cpu_fp16.py", "pretrain", recipe)
     again = {m["step"]: m for m in read_metrics(resumed) if "train/loss" in m}
     assert sorted(again) == [4, 5, 6]
     for m in metrics[3:]:

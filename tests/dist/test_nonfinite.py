@@ -4,35 +4,17 @@ ZeRO-0 in fp16 (tests/dist/cpu_fp16.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.launching import REPO, free_port, read_metrics
+from tests.launching import read_metrics, torchrun
 
 pytestmark = pytest.mark.dist
 
 
 @pytest.mark.parametrize(("zero_stage", "precision"), [(0, "fp32"), (2, "fp32"), (0, "fp16")])
 def test_nonfinite_loss_skips_update_on_every_rank_then_stops(tmp_path, zero_stage, precision):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        str(REPO / "tests" / "dist" / "nonfinite_worker.py"),
-        str(tmp_path),
-        str(zero_stage),
-        precision,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun("nonfinite_worker.py", tmp_path, zero_stage, precision)
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
     for result in ranks:
         snaps = {int(k): v for k, v in result["snapshots"].items()}

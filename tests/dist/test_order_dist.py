@@ -6,9 +6,6 @@ by weight, and each source's epoch is split over the 4 streams without overlap."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +13,8 @@ import pytest
 from tests.launching import (
     MAX_BATCH_CHI2,
     MAX_MEAN_CHI2,
-    REPO,
     chi_square,
-    free_port,
+    torchrun,
     write_class_ordered,
 )
 
@@ -30,11 +26,7 @@ DATA = ["data.num_workers=2", "data.global_batch_size=80"]  # 40 per rank
 def _draw(out: Path, num_batches: int, skip_batches: int, *overrides: str) -> list[list[dict]]:
     """Each rank's batches (keys and labels) from a 2-process torchrun of order_worker.py."""
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    cmd += [str(REPO / "tests" / "dist" / "order_worker.py"), str(out), str(num_batches), str(skip_batches)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([*cmd, *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun("order_worker.py", out, num_batches, skip_batches, *overrides)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -1,4 +1,4 @@
-"""Recipe: tiny MAE (tests/dist/conftest.py `pretrain_recipe`) through ./launch.sh with 2 gloo processes."""
+"""Recipe: tiny MAE (tests/launching.py `pretrain_recipe`) through ./launch.sh with 2 gloo processes."""
 
 from __future__ import annotations
 

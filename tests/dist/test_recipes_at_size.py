@@ -1,7 +1,8 @@
-"""Recipes at their real size (benchmarks/smoke_recipes.py, `CI_CHAINS`): recipes/mae_vitb.yaml -> finetune_vitb.yaml,
-and tokenizer_in1k.yaml (VQ-VAE on the 112 px view) -> beit_vitb.yaml (LayerScale) -> finetune_vitb.yaml. Each stage
-runs 2 steps at global batch 2 through ./launch.sh with one process, on 224 px JPEG shards of ImageNet-like sizes,
-at the recipe's own ViT-B/16, 14x14 grid, ZeRO stage and precision."""
+"""Recipes at their real size (benchmarks/smoke_recipes.py): recipes/mae_vitb.yaml -> finetune_vitb.yaml (`CI_CHAINS`,
+in `make test`), and, marked slow (`pytest -m slow`; `make smoke-recipes` runs it too), tokenizer_in1k.yaml (VQ-VAE
+on the 112 px view) -> beit_vitb.yaml (LayerScale) -> finetune_vitb.yaml. Each stage runs 2 steps at global batch 2
+through ./launch.sh with one process, on 224 px JPEG shards of ImageNet-like sizes, at the recipe's own ViT-B/16,
+14x14 grid, ZeRO stage and precision."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def jpeg_shards(work) -> dict[str, Path]:
 
 
 def _run(name: str, jpeg_shards, work: Path) -> dict:
-    results = run_chain(name, work, jpeg_shards, OPTIONS, CI_CHAINS[name])
+    results = run_chain(name, work, jpeg_shards, OPTIONS, CI_CHAINS.get(name, CHAINS[name]))
     for result in results:
         log = (result.run_dir / "launch.log").read_text() if (result.run_dir / "launch.log").is_file() else ""
         assert result.ok, f"{name} / {result.stage.recipe}: {result.error}\n{log[-4000:]}"
@@ -139,6 +140,7 @@ def test_finetune_vitb_takes_the_mae_export_on_the_same_grid(mae_chain):
     assert evaluated and evaluated[-1]["val/samples"] == 16  # every held-out JPEG once
 
 
+@pytest.mark.slow
 def test_tokenizer_in1k_codes_the_112px_view_on_the_vitb_grid(beit_chain):
     result = beit_chain["tokenizer_in1k"]
     manifest = json.loads((result.run_dir / "export" / "mimpipe.json").read_text())
@@ -149,6 +151,7 @@ def test_tokenizer_in1k_codes_the_112px_view_on_the_vitb_grid(beit_chain):
     assert len(recon) == 2 and all(math.isfinite(v) for v in recon)
 
 
+@pytest.mark.slow
 def test_beit_vitb_predicts_codes_with_layer_scale_and_exports_it(beit_chain):
     result = beit_chain["beit_vitb"]
     metrics = [m for m in read_metrics(result.run_dir) if "train/loss" in m]
@@ -165,6 +168,7 @@ def test_beit_vitb_predicts_codes_with_layer_scale_and_exports_it(beit_chain):
     assert result.export["problems"] == []
 
 
+@pytest.mark.slow
 def test_finetune_vitb_takes_the_beit_export_with_its_layer_scale(beit_chain):
     result = beit_chain["finetune_vitb"]
     assert result.cfg.model.layer_scale_init == 0.1

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.launching import REPO, free_port
+from tests.launching import torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -18,11 +15,7 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("zero_init")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    cmd += [str(REPO / "tests" / "dist" / "zero_init_worker.py"), str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun("zero_init_worker.py", out)
     return json.loads((out / "zero_init.json").read_text())
 
 

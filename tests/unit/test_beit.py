@@ -3,17 +3,12 @@
 import pytest
 import torch
 
-from core.models import build_vit
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2
+from tests.unit.conftest import tiny_vit
 
 GRID = (4, 4)
 NORM = dict(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
-
-
-def _encoder(**kwargs):
-    torch.manual_seed(0)
-    return build_vit("tiny", img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, **kwargs)
 
 
 def _batch(batch_size: int = 4, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -33,7 +28,7 @@ TARGETS = {
 @pytest.mark.parametrize("corruption", ["mask_token", "mixed"])
 @pytest.mark.parametrize("kind", sorted(TARGETS))
 def test_every_trainable_parameter_gets_a_gradient(kind, corruption):
-    objective = MaskedPatchPrediction(_encoder(init_values=0.1), TARGETS[kind](), corruption=corruption, head="mlp")
+    objective = MaskedPatchPrediction(tiny_vit(init_values=0.1), TARGETS[kind](), corruption=corruption, head="mlp")
     batch = _batch()
     out = objective(batch)
     assert torch.isfinite(out["loss"]) and out["loss"].dtype == torch.float32
@@ -47,7 +42,7 @@ def test_every_trainable_parameter_gets_a_gradient(kind, corruption):
 
 
 def test_loss_and_accuracy_cover_selected_patches_only():
-    objective = MaskedPatchPrediction(_encoder(), MeanColor3Bit((4, 4), **NORM))
+    objective = MaskedPatchPrediction(tiny_vit(), MeanColor3Bit((4, 4), **NORM))
     batch = _batch()
     with torch.no_grad():
         out = objective(batch)
@@ -61,7 +56,7 @@ def test_loss_and_accuracy_cover_selected_patches_only():
 
 
 def test_mask_token_corruption_replaces_exactly_the_selected_patches():
-    objective = MaskedPatchPrediction(_encoder(), MeanColor3Bit((4, 4), **NORM))
+    objective = MaskedPatchPrediction(tiny_vit(), MeanColor3Bit((4, 4), **NORM))
     x = torch.randn(2, 16, 32)
     mask = torch.rand(2, 16) < 0.5
     out = objective.corrupt(x, mask)
@@ -70,7 +65,7 @@ def test_mask_token_corruption_replaces_exactly_the_selected_patches():
 
 
 def test_mixed_corruption_splits_80_10_10():
-    objective = MaskedPatchPrediction(_encoder(), MeanColor3Bit((4, 4), **NORM), corruption="mixed")
+    objective = MaskedPatchPrediction(tiny_vit(), MeanColor3Bit((4, 4), **NORM), corruption="mixed")
     torch.manual_seed(0)
     x = torch.randn(64, 256, 32)  # distinct rows, so every outcome is identifiable
     mask = torch.ones(64, 256, dtype=torch.bool)
@@ -83,7 +78,7 @@ def test_mixed_corruption_splits_80_10_10():
 
 
 def test_encoder_state_dict_is_plain_timm():
-    encoder = _encoder()
+    encoder = tiny_vit()
     names = set(encoder.state_dict())
     objective = MaskedPatchPrediction(encoder, MeanColor3Bit((4, 4), **NORM))
     assert {k.removeprefix("encoder.") for k in objective.state_dict() if k.startswith("encoder.")} == names
@@ -92,4 +87,4 @@ def test_encoder_state_dict_is_plain_timm():
 
 def test_rejects_an_encoder_with_a_head():
     with pytest.raises(ValueError, match="num_classes must be 0"):
-        MaskedPatchPrediction(_encoder(num_classes=3), MeanColor3Bit((4, 4), **NORM))
+        MaskedPatchPrediction(tiny_vit(num_classes=3), MeanColor3Bit((4, 4), **NORM))

@@ -4,6 +4,7 @@ export round-trips through `timm.create_model('local-dir:...')`."""
 
 import argparse
 import json
+from functools import partial
 
 import pytest
 import safetensors.torch
@@ -15,8 +16,7 @@ from finetune.checkpoints import read_checkpoint
 from finetune.convert import STANDARD_WIDTHS
 from finetune.convert import main as convert_main
 from finetune.handoff import load_encoder, read_pooling_hint
-
-IMG, PATCH, DEPTH = 32, 8, 2
+from tests.unit.conftest import wide_vit
 
 
 @pytest.fixture(autouse=True)
@@ -24,15 +24,10 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def vit(arch="vit_tiny_patch16_224", *, embed_dim=64, num_heads=4, seed=0, **kwargs):
-    """Tiny timm model with random weights: image 32, patch 8 (a 4x4 grid), depth 2."""
-    torch.manual_seed(seed)
-    args = dict(img_size=IMG, patch_size=PATCH, embed_dim=embed_dim, depth=DEPTH, num_heads=num_heads, num_classes=0)
-    return timm.create_model(arch, pretrained=False, **(args | kwargs)).eval()
-
-
-def deit(**kwargs):
-    return vit("deit_tiny_distilled_patch16_224", **kwargs)
+IMG, PATCH, DEPTH = 32, 8, 2
+# Image 32, patch 8 (a 4x4 grid), 64 wide; DeiT's distilled variant next to the plain ViT.
+vit = partial(wide_vit, img_size=IMG, patch_size=PATCH, depth=DEPTH)
+deit = partial(vit, distilled=True)
 
 
 def state_of(model):

@@ -3,12 +3,12 @@
 import math
 
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from finetune.classification import Classification, topk_correct
+from tests.unit.conftest import wide_vit
 
 
 class FixedLogits(nn.Module):
@@ -21,21 +21,6 @@ class FixedLogits(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.logits
-
-
-def tiny_vit(num_classes: int = 5) -> nn.Module:
-    torch.manual_seed(0)
-    return timm.create_model(
-        "vit_tiny_patch16_224",
-        pretrained=False,
-        img_size=28,
-        patch_size=4,
-        embed_dim=64,
-        depth=2,
-        num_heads=4,
-        num_classes=num_classes,
-        global_pool="avg",
-    )
 
 
 def test_topk_correct_on_hand_made_example():
@@ -85,7 +70,7 @@ def test_soft_labels_from_mixup():
 
 
 def test_vit_objective_gives_every_parameter_a_finite_gradient():
-    objective = Classification(tiny_vit(num_classes=5), label_smoothing=0.1)
+    objective = Classification(wide_vit(num_classes=5, global_pool="avg"), label_smoothing=0.1)
     batch = {"image": torch.randn(4, 3, 28, 28), "label": torch.tensor([0, 1, 2, 4])}
 
     out = objective(batch)
@@ -99,4 +84,4 @@ def test_vit_objective_gives_every_parameter_a_finite_gradient():
 
 def test_model_without_head_is_refused():
     with pytest.raises(ValueError, match="num_classes is 0"):
-        Classification(tiny_vit(num_classes=0))
+        Classification(wide_vit(num_classes=0, global_pool="avg"))

@@ -18,16 +18,80 @@ def test_every_recipe_loads_and_starts_with_its_command(recipe):
     assert cfg.peak_lr > 0
 
 
-def test_recipes_exist():
-    names = {p.name for p in RECIPES}
-    assert {
-        "quickstart.yaml",
-        "quickstart_finetune.yaml",
-        "mae_vitb.yaml",
-        "mae_vitl.yaml",
-        "mae_vith.yaml",
-        "finetune_vitl.yaml",
-    } <= names
+# What each published recipe's header comment promises: stage, model, objective, global batch, peak lr (after the
+# lr rule), ZeRO stage and length in optimizer steps (epochs of ImageNet-1k's 1,281,167 images where given so).
+SHAPE = ("stage", "model.size", "model.img_size", "model.patch_size", "objective.kind")
+PUBLISHED = {
+    "beit_vitb": (("pretrain", "base", 224, 16, "beit"), 2048, 1.5e-3, 1, (500456, 6256)),
+    "finetune_deit_distill": (
+        ("finetune", "base", 224, 16, "classification"),
+        1024,
+        5e-4 * 1024 / 512,
+        1,
+        (375342, 6256),
+    ),
+    "finetune_vitb": (("finetune", "base", 224, 16, "classification"), 1024, 5e-4 * 1024 / 256, 1, (125114, 6256)),
+    "finetune_vith": (("finetune", "huge", 224, 14, "classification"), 1024, 1e-3 * 1024 / 256, 2, (62557, 6256)),
+    "finetune_vitl": (("finetune", "large", 224, 16, "classification"), 1024, 1e-3 * 1024 / 256, 1, (62557, 6256)),
+    "linprobe_vitl": (("finetune", "large", 224, 16, "classification"), 16384, 0.1 * 16384 / 256, 1, (3910, 782)),
+    "mae_vitb": (("pretrain", "base", 224, 16, "mae"), 4096, 1.5e-4 * 4096 / 256, 1, (250228, 12512)),
+    "mae_vith": (("pretrain", "huge", 224, 14, "mae"), 4096, 1.5e-4 * 4096 / 256, 2, (250228, 12512)),
+    "mae_vitl": (("pretrain", "large", 224, 16, "mae"), 4096, 1.5e-4 * 4096 / 256, 1, (250228, 12512)),
+    "quickstart": (("pretrain", "tiny", 28, 4, "mae"), 256, 1.5e-3, 1, (700, 70)),
+    "quickstart_beit": (("pretrain", "tiny", 28, 4, "beit"), 256, 1.5e-3, 1, (350, 35)),
+    "quickstart_distill": (("finetune", "tiny", 32, 4, "classification"), 64, 5e-3 * 64 / 256, 1, (2000, 100)),
+    "quickstart_finetune": (("finetune", "tiny", 32, 4, "classification"), 64, 5e-3 * 64 / 256, 1, (2000, 100)),
+    "quickstart_finetune_full": (("finetune", "tiny", 32, 4, "classification"), 64, 8e-3 * 64 / 256, 1, (2000, 100)),
+    "quickstart_linprobe": (("finetune", "tiny", 28, 4, "classification"), 256, 0.1, 1, (500, 50)),
+    "quickstart_mpp": (("pretrain", "tiny", 28, 4, "beit"), 256, 1.5e-3, 1, (350, 35)),
+    "quickstart_tokenizer": (("tokenizer", "base", 224, 16, "vqvae"), 128, 2e-3, 1, (500, 25)),  # model unused
+    "tokenizer_in1k": (("tokenizer", "base", 224, 16, "vqvae"), 1024, 1e-3, 1, (25023, 1252)),  # model unused
+    "vit_mpp_vitb": (("pretrain", "base", 224, 16, "beit"), 4096, 2e-4, 1, (93836, 10000)),
+}
+# Per recipe, the settings that tell its variant apart (objective target, probe mode, distillation, tokenizer grid).
+VARIANT = {
+    "beit_vitb": {"objective.target.kind": "tokenizer", "model.layer_scale_init": 0.1, "objective.mask.num_masked": 75},
+    "finetune_deit_distill": {"distill.kind": "hard", "model.global_pool": "token", "distill.alpha": 0.5},
+    "finetune_vitb": {"model.global_pool": "avg", "optim.layer_decay": 0.65, "model.drop_path_rate": 0.1},
+    "finetune_vith": {"model.global_pool": "avg", "model.drop_path_rate": 0.3},
+    "finetune_vitl": {"model.global_pool": "avg", "optim.layer_decay": 0.75, "model.drop_path_rate": 0.2},
+    "linprobe_vitl": {"objective.mode": "linear_probe", "optim.kind": "lars", "optim.weight_decay": 0.0},
+    "mae_vitb": {"objective.mask_ratio": 0.75, "objective.decoder_embed_dim": 512, "objective.decoder_depth": 8},
+    "mae_vith": {"objective.mask_ratio": 0.75, "objective.decoder_embed_dim": 512, "objective.decoder_depth": 8},
+    "mae_vitl": {"objective.mask_ratio": 0.75, "objective.norm_pix_loss": True, "optim.betas": (0.9, 0.95)},
+    "quickstart": {"model.embed_dim": 128, "model.depth": 4, "objective.decoder_embed_dim": 96},
+    "quickstart_beit": {"model.embed_dim": 128, "objective.target.kind": "tokenizer", "objective.mask.num_masked": 20},
+    "quickstart_distill": {"distill.kind": "hard", "model.global_pool": "token"},
+    "quickstart_finetune": {"model.global_pool": "avg", "optim.layer_decay": 0.85, "augment.re_prob": 0.1},
+    "quickstart_finetune_full": {"optim.layer_decay": 0.75, "augment.mixup": 0.8, "augment.cutmix": 1.0},
+    "quickstart_linprobe": {"objective.mode": "linear_probe", "optim.kind": "lars", "model.global_pool": "token"},
+    "quickstart_mpp": {"objective.target.kind": "mean_color_3bit", "objective.corruption": "mixed"},
+    "quickstart_tokenizer": {"objective.img_size": 28, "objective.downsample": 4, "objective.codebook_size": 256},
+    "tokenizer_in1k": {"objective.img_size": 112, "objective.downsample": 8, "objective.codebook_size": 8192},
+    "vit_mpp_vitb": {"objective.target.kind": "mean_color_3bit", "objective.corruption": "mixed"},
+}
+
+
+def _get(cfg, dotted: str):
+    for key in dotted.split("."):
+        cfg = getattr(cfg, key)
+    return tuple(cfg) if isinstance(cfg, list) else cfg
+
+
+def test_the_table_covers_every_published_recipe():
+    assert set(PUBLISHED) == set(VARIANT) == {p.stem for p in RECIPES}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_each_published_recipe_loads_with_its_promised_size_objective_batch_and_lr(name):
+    cfg = load_config(RECIPES[0].parent / f"{name}.yaml")
+    shape, batch, peak_lr, zero_stage, steps = PUBLISHED[name]
+    assert tuple(_get(cfg, key) for key in SHAPE) == shape
+    assert cfg.data.global_batch_size == batch
+    assert cfg.peak_lr == pytest.approx(peak_lr)
+    assert (cfg.engine.zero_stage, cfg.engine.precision) == (zero_stage, "bf16")
+    assert cfg.steps(cfg.data.samples_per_epoch) == steps
+    assert {key: _get(cfg, key) for key in VARIANT[name]} == VARIANT[name]
 
 
 def test_mae_vitl_is_the_paper_recipe():

@@ -23,9 +23,9 @@ from core.engine import ds_compat
 from core.engine.distributed import DistInfo
 from core.engine.ds_compat import PATCHES, DeepSpeedCompatError
 from core.engine.setup import parallelize
-from core.models import build_vit
 from pretrain.mae import MAE
 from tests.compat_checks import assert_check_fails
+from tests.unit.conftest import tiny_vit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -233,9 +233,7 @@ def test_mae_init_touches_only_the_visited_modules_own_weights(monkeypatch):
     """What ZeRO-3 construction relies on (patch `zero_init_apply`): inside deepspeed.zero.Init, `Module.apply` lends
     each visited module the full values of its own parameters only, every other parameter being an empty partition.
     A stand-in of that `apply` on one process gives MAE's init the same values as the ordinary call."""
-    torch.manual_seed(0)
-    encoder = build_vit("tiny", img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
-    reference = MAE(encoder, decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2)
+    reference = MAE(tiny_vit(seed=0), decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2)
     partitioned = copy.deepcopy(reference)
     torch.manual_seed(1)
     reference.init_weights()

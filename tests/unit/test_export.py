@@ -9,19 +9,14 @@ import torch
 
 from core.engine import export as export_module
 from core.engine.export import export_model
+from tests.unit.conftest import WIDE, wide_vit
 
-ARGS = dict(img_size=28, patch_size=4, embed_dim=64, depth=2, num_heads=4, mlp_ratio=4.0)
+ARGS = {**WIDE, "mlp_ratio": 4.0}  # the export's model_args for wide_vit()
 
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-def tiny_vit(global_pool: str = "token", seed: int = 0, **overrides) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    args = {**ARGS, "global_pool": global_pool, **overrides}
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, **args).eval()
 
 
 def export_tiny(model, out_dir, step: int = 100, **kwargs):
@@ -32,7 +27,7 @@ def export_tiny(model, out_dir, step: int = 100, **kwargs):
 
 @pytest.mark.parametrize("global_pool", ["token", "avg"])
 def test_timm_loads_export_offline_with_identical_keys_tensors_and_features(tmp_path, global_pool):
-    model = tiny_vit(global_pool)
+    model = wide_vit(global_pool=global_pool)
     out_dir = export_tiny(model, tmp_path / "export", data_config={"mean": (0.2, 0.3, 0.4), "std": (0.5, 0.6, 0.7)})
 
     loaded = timm.create_model(f"local-dir:{out_dir}", pretrained=True).eval()
@@ -55,7 +50,7 @@ def test_timm_loads_export_offline_with_identical_keys_tensors_and_features(tmp_
 
 
 def test_manifest_holds_callers_facts_and_export_facts(tmp_path):
-    model = tiny_vit()
+    model = wide_vit()
     out_dir = export_tiny(model, tmp_path / "export", step=123)
 
     manifest = json.loads((out_dir / "mimpipe.json").read_text())
@@ -71,7 +66,7 @@ def test_manifest_holds_callers_facts_and_export_facts(tmp_path):
 
 
 def test_drop_path_rate_is_not_exported(tmp_path):
-    model = tiny_vit(drop_path_rate=0.1)
+    model = wide_vit(drop_path_rate=0.1)
     args = {**ARGS, "drop_path_rate": 0.1, "proj_drop_rate": 0.1}
     out_dir = export_model(model, tmp_path / "export", model_args=args, manifest={})
 
@@ -80,7 +75,7 @@ def test_drop_path_rate_is_not_exported(tmp_path):
 
 
 def test_bf16_and_shared_storage_tensors_are_written_as_given(tmp_path):
-    model = tiny_vit().to(torch.bfloat16)
+    model = wide_vit().to(torch.bfloat16)
     # Parameters as views into one flat buffer, as an optimizer's flat partition leaves them, and one tied pair.
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     offset = 0
@@ -101,7 +96,7 @@ def test_bf16_and_shared_storage_tensors_are_written_as_given(tmp_path):
 
 
 def test_failure_mid_write_keeps_the_previous_export(tmp_path, monkeypatch):
-    first = tiny_vit(seed=1)
+    first = wide_vit(seed=1)
     out_dir = export_tiny(first, tmp_path / "export", step=1)
 
     def write_half_then_crash(tensors, filename, metadata=None):
@@ -111,7 +106,7 @@ def test_failure_mid_write_keeps_the_previous_export(tmp_path, monkeypatch):
 
     monkeypatch.setattr(export_module.safetensors.torch, "save_file", write_half_then_crash)
     with pytest.raises(OSError, match="disk full"):
-        export_tiny(tiny_vit(seed=2), out_dir, step=2)
+        export_tiny(wide_vit(seed=2), out_dir, step=2)
     monkeypatch.undo()
 
     assert json.loads((out_dir / "mimpipe.json").read_text())["step"] == 1
@@ -121,8 +116,8 @@ def test_failure_mid_write_keeps_the_previous_export(tmp_path, monkeypatch):
 
 
 def test_reexport_replaces_the_previous_export(tmp_path):
-    out_dir = export_tiny(tiny_vit(seed=1), tmp_path / "export", step=1)
-    second = tiny_vit(seed=2)
+    out_dir = export_tiny(wide_vit(seed=1), tmp_path / "export", step=1)
+    second = wide_vit(seed=2)
 
     export_tiny(second, out_dir, step=2)
 
@@ -138,7 +133,7 @@ def test_refuses_to_replace_a_folder_that_is_not_an_export(tmp_path):
     (run_dir / "metrics.jsonl").write_text("{}\n")
 
     with pytest.raises(ValueError, match="refusing to replace"):
-        export_tiny(tiny_vit(), run_dir)
+        export_tiny(wide_vit(), run_dir)
     assert (run_dir / "metrics.jsonl").read_text() == "{}\n"
 
 
@@ -153,5 +148,5 @@ def test_refuses_to_replace_a_folder_that_is_not_an_export(tmp_path):
 )
 def test_bad_arguments_are_value_errors_and_write_nothing(tmp_path, model_args, manifest, match):
     with pytest.raises(ValueError, match=match):
-        export_model(tiny_vit(), tmp_path / "export", model_args=model_args, manifest=manifest)
+        export_model(wide_vit(), tmp_path / "export", model_args=model_args, manifest=manifest)
     assert list(tmp_path.iterdir()) == []

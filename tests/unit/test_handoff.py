@@ -4,28 +4,18 @@ import json
 
 import pytest
 import safetensors.torch
-import timm
 import torch
 from timm.layers import resample_patch_embed
 
 from core.engine.export import export_model
 from core.models import sincos_pos_embed_2d
 from finetune.handoff import load_encoder
+from tests.unit.conftest import wide_vit
 
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-def tiny_vit(img_size=28, global_pool="token", num_classes=0, embed_dim=64, depth=2, patch_size=4, seed=0, in_chans=3):
-    torch.manual_seed(seed)
-    args = dict(
-        img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=4, in_chans=in_chans
-    )
-    return timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, num_classes=num_classes, global_pool=global_pool, **args
-    ).eval()
 
 
 def export_folder(model, out_dir):
@@ -63,9 +53,9 @@ def resampled_coords(old, new):
 
 
 def test_same_grid_loads_every_tensor_unchanged_and_head_gives_zero_logits(tmp_path):
-    source = tiny_vit()
+    source = wide_vit()
     folder = export_folder(source, tmp_path / "export")
-    model = tiny_vit(num_classes=10, seed=1)
+    model = wide_vit(num_classes=10, seed=1)
 
     report = load_encoder(model, folder)
 
@@ -82,10 +72,10 @@ def test_same_grid_loads_every_tensor_unchanged_and_head_gives_zero_logits(tmp_p
 
 
 def test_mae_checkpoint_resized_mapped_and_dropped_into_avg_pooled_model(tmp_path):
-    source = tiny_vit()
+    source = wide_vit()
     path = tmp_path / "mae.safetensors"
     state = mae_checkpoint(source, path)
-    model = tiny_vit(img_size=32, global_pool="avg", num_classes=10, seed=1)
+    model = wide_vit(img_size=32, global_pool="avg", num_classes=10, seed=1)
 
     report = load_encoder(model, path)
 
@@ -106,9 +96,9 @@ def test_mae_checkpoint_resized_mapped_and_dropped_into_avg_pooled_model(tmp_pat
 
 
 def test_fc_norm_checkpoint_maps_to_norm_for_token_pooling(tmp_path):
-    source = tiny_vit(global_pool="avg")
+    source = wide_vit(global_pool="avg")
     folder = export_folder(source, tmp_path / "export")
-    model = tiny_vit(global_pool="token", num_classes=10, seed=1)
+    model = wide_vit(global_pool="token", num_classes=10, seed=1)
 
     report = load_encoder(model, folder)
 
@@ -118,8 +108,8 @@ def test_fc_norm_checkpoint_maps_to_norm_for_token_pooling(tmp_path):
 
 def test_linear_ramp_upsampled_7x7_to_8x8_stays_linear_away_from_borders(tmp_path):
     pos_embed = ramp_pos_embed(7, 7)
-    mae_checkpoint(tiny_vit(), tmp_path / "mae.safetensors", pos_embed=pos_embed)
-    model = tiny_vit(img_size=32, num_classes=10)
+    mae_checkpoint(wide_vit(), tmp_path / "mae.safetensors", pos_embed=pos_embed)
+    model = wide_vit(img_size=32, num_classes=10)
 
     load_encoder(model, tmp_path / "mae.safetensors")
 
@@ -134,8 +124,8 @@ def test_linear_ramp_upsampled_7x7_to_8x8_stays_linear_away_from_borders(tmp_pat
 
 def test_non_square_target_grid_7x7_to_6x10(tmp_path):
     pos_embed = ramp_pos_embed(7, 7, row_slope=0.0)
-    mae_checkpoint(tiny_vit(), tmp_path / "mae.safetensors", pos_embed=pos_embed)
-    model = tiny_vit(img_size=(24, 40), num_classes=10)
+    mae_checkpoint(wide_vit(), tmp_path / "mae.safetensors", pos_embed=pos_embed)
+    model = wide_vit(img_size=(24, 40), num_classes=10)
 
     report = load_encoder(model, tmp_path / "mae.safetensors")
 
@@ -146,9 +136,9 @@ def test_non_square_target_grid_7x7_to_6x10(tmp_path):
 
 
 def test_non_square_source_grid_read_from_config(tmp_path):
-    source = tiny_vit(img_size=(24, 40))
+    source = wide_vit(img_size=(24, 40))
     folder = export_folder(source, tmp_path / "export")
-    model = tiny_vit(img_size=28, num_classes=10)
+    model = wide_vit(img_size=28, num_classes=10)
 
     report = load_encoder(model, folder)
 
@@ -157,8 +147,8 @@ def test_non_square_source_grid_read_from_config(tmp_path):
 
 
 def test_head_init_keep_leaves_timm_init(tmp_path):
-    folder = export_folder(tiny_vit(), tmp_path / "export")
-    model = tiny_vit(num_classes=10, seed=1)
+    folder = export_folder(wide_vit(), tmp_path / "export")
+    model = wide_vit(num_classes=10, seed=1)
     head_before = model.head.weight.detach().clone()
 
     load_encoder(model, folder, head_init="keep")
@@ -187,8 +177,8 @@ def test_head_init_keep_leaves_timm_init(tmp_path):
     ],
 )
 def test_wrong_architecture_names_file_and_every_mismatched_key(tmp_path, source_kwargs, model_kwargs, expected):
-    folder = export_folder(tiny_vit(**source_kwargs), tmp_path / "export")
-    model = tiny_vit(num_classes=10, **model_kwargs)
+    folder = export_folder(wide_vit(**source_kwargs), tmp_path / "export")
+    model = wide_vit(num_classes=10, **model_kwargs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
     with pytest.raises(ValueError) as error:
@@ -202,18 +192,18 @@ def test_wrong_architecture_names_file_and_every_mismatched_key(tmp_path, source
 
 
 def test_bare_file_with_non_square_grid_and_no_config_is_an_error(tmp_path):
-    mae_checkpoint(tiny_vit(), tmp_path / "mae.safetensors", pos_embed=torch.zeros(1, 61, 64))
+    mae_checkpoint(wide_vit(), tmp_path / "mae.safetensors", pos_embed=torch.zeros(1, 61, 64))
 
     with pytest.raises(ValueError, match=r"pos_embed: checkpoint \(1, 61, 64\) vs model \(1, 50, 64\)"):
-        load_encoder(tiny_vit(num_classes=10), tmp_path / "mae.safetensors")
+        load_encoder(wide_vit(num_classes=10), tmp_path / "mae.safetensors")
 
 
 def test_missing_path_and_unreadable_pickle_are_refused(tmp_path):
     (tmp_path / "weights.pth").write_bytes(b"not loaded")
     with pytest.raises(ValueError, match="does not exist"):
-        load_encoder(tiny_vit(num_classes=10), tmp_path / "missing")
+        load_encoder(wide_vit(num_classes=10), tmp_path / "missing")
     with pytest.raises(ValueError, match=r"weights.pth is not a readable PyTorch checkpoint"):
-        load_encoder(tiny_vit(num_classes=10), tmp_path / "weights.pth")
+        load_encoder(wide_vit(num_classes=10), tmp_path / "weights.pth")
 
 
 def bare_file(model, path):
@@ -223,9 +213,9 @@ def bare_file(model, path):
 
 
 def test_patch_size_change_8_to_4_resamples_kernel_and_grid(tmp_path):
-    source = tiny_vit(img_size=32, patch_size=8)  # 4x4 grid
+    source = wide_vit(img_size=32, patch_size=8)  # 4x4 grid
     path = bare_file(source, tmp_path / "p8.safetensors")
-    model = tiny_vit(img_size=32, patch_size=4, num_classes=10, seed=1)  # 8x8 grid
+    model = wide_vit(img_size=32, patch_size=4, num_classes=10, seed=1)  # 8x8 grid
 
     report = load_encoder(model, path)
 
@@ -248,8 +238,8 @@ def test_patch_size_change_8_to_4_resamples_kernel_and_grid(tmp_path):
 
 def test_upsampled_kernel_sees_upsampled_patches_as_the_original(tmp_path):
     """FlexiViT's property: a 4x4 kernel resampled to 8x8 gives the same embedding for each patch resized to 8x8."""
-    source = tiny_vit(img_size=16, patch_size=4)  # 4x4 grid
-    model = tiny_vit(img_size=32, patch_size=8, num_classes=10, seed=1)  # 4x4 grid, no pos_embed resize
+    source = wide_vit(img_size=16, patch_size=4)  # 4x4 grid
+    model = wide_vit(img_size=32, patch_size=8, num_classes=10, seed=1)  # 4x4 grid, no pos_embed resize
     report = load_encoder(model, bare_file(source, tmp_path / "p4.safetensors"))
     assert [key for key, _, _ in report.resized] == ["patch_embed.proj.weight"]
 
@@ -262,8 +252,8 @@ def test_upsampled_kernel_sees_upsampled_patches_as_the_original(tmp_path):
 
 
 def test_patch_size_change_keeps_a_non_square_grid_without_config(tmp_path):
-    source = tiny_vit(img_size=(24, 40), patch_size=8)  # 3x5 grid, bare file: no config.json
-    model = tiny_vit(img_size=(24, 40), patch_size=4, num_classes=10, seed=1)  # 6x10 grid
+    source = wide_vit(img_size=(24, 40), patch_size=8)  # 3x5 grid, bare file: no config.json
+    model = wide_vit(img_size=(24, 40), patch_size=4, num_classes=10, seed=1)  # 6x10 grid
 
     report = load_encoder(model, bare_file(source, tmp_path / "p8.safetensors"))
 
@@ -272,8 +262,8 @@ def test_patch_size_change_keeps_a_non_square_grid_without_config(tmp_path):
 
 @pytest.mark.parametrize(("img_size", "grid"), [(32, (8, 8)), ((24, 40), (6, 10))])
 def test_sincos_regenerates_pos_embed_for_the_new_grid(tmp_path, img_size, grid):
-    mae_checkpoint(tiny_vit(), tmp_path / "mae.safetensors", pos_embed=ramp_pos_embed(7, 7))
-    model = tiny_vit(img_size=img_size, num_classes=10)
+    mae_checkpoint(wide_vit(), tmp_path / "mae.safetensors", pos_embed=ramp_pos_embed(7, 7))
+    model = wide_vit(img_size=img_size, num_classes=10)
 
     report = load_encoder(model, tmp_path / "mae.safetensors", pos_embed_resize="sincos")
 
@@ -284,8 +274,8 @@ def test_sincos_regenerates_pos_embed_for_the_new_grid(tmp_path, img_size, grid)
 
 
 def test_sincos_leaves_an_unchanged_grid_as_loaded(tmp_path):
-    source = tiny_vit()
-    model = tiny_vit(num_classes=10, seed=1)
+    source = wide_vit()
+    model = wide_vit(num_classes=10, seed=1)
 
     report = load_encoder(model, bare_file(source, tmp_path / "enc.safetensors"), pos_embed_resize="sincos")
 
@@ -294,8 +284,8 @@ def test_sincos_leaves_an_unchanged_grid_as_loaded(tmp_path):
 
 
 def test_trunc_normal_head_has_the_requested_std_and_zero_bias(tmp_path):
-    folder = export_folder(tiny_vit(), tmp_path / "export")
-    model = tiny_vit(num_classes=2000, seed=1)  # 2000 x 64 weights: the sample std is within a few percent
+    folder = export_folder(wide_vit(), tmp_path / "export")
+    model = wide_vit(num_classes=2000, seed=1)  # 2000 x 64 weights: the sample std is within a few percent
 
     report = load_encoder(model, folder, head_init="trunc_normal", head_init_std=2e-5)
 
@@ -306,8 +296,8 @@ def test_trunc_normal_head_has_the_requested_std_and_zero_bias(tmp_path):
 
 
 def test_keep_head_loads_the_checkpoint_classifier(tmp_path):
-    state = mae_checkpoint(tiny_vit(), tmp_path / "mae.safetensors")  # carries a 5-class head
-    model = tiny_vit(num_classes=5, seed=1)
+    state = mae_checkpoint(wide_vit(), tmp_path / "mae.safetensors")  # carries a 5-class head
+    model = wide_vit(num_classes=5, seed=1)
 
     report = load_encoder(model, tmp_path / "mae.safetensors", keep_head=True)
 
@@ -324,11 +314,11 @@ def test_keep_head_loads_the_checkpoint_classifier(tmp_path):
     ],
 )
 def test_keep_head_needs_a_matching_head(tmp_path, num_classes, with_head, expected):
-    source = tiny_vit(num_classes=5 if with_head else 0)
+    source = wide_vit(num_classes=5 if with_head else 0)
     path = bare_file(source, tmp_path / "classifier.safetensors")
 
     with pytest.raises(ValueError, match=expected):
-        load_encoder(tiny_vit(num_classes=num_classes, seed=1), path, keep_head=True)
+        load_encoder(wide_vit(num_classes=num_classes, seed=1), path, keep_head=True)
 
 
 @pytest.mark.parametrize(
@@ -340,6 +330,6 @@ def test_keep_head_needs_a_matching_head(tmp_path, num_classes, with_head, expec
     ],
 )
 def test_unknown_options_are_errors(tmp_path, options, expected):
-    folder = export_folder(tiny_vit(), tmp_path / "export")
+    folder = export_folder(wide_vit(), tmp_path / "export")
     with pytest.raises(ValueError, match=expected):
-        load_encoder(tiny_vit(num_classes=10), folder, **options)
+        load_encoder(wide_vit(num_classes=10), folder, **options)

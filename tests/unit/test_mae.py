@@ -1,24 +1,22 @@
-"""Tests for pretrain/mae.py on a tiny ViT (embed 64, depth 2, 28 px images, 4 px patches -> 7 x 7 grid)."""
+"""Tests for pretrain/mae.py on a tiny ViT (tests/unit/conftest.py `wide_vit`: 64 wide, 2 blocks, 28 px images in
+4 px patches -> 7 x 7 grid)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from core.models import build_vit, sincos_pos_embed_2d
+from core.models import sincos_pos_embed_2d
 from core.pictures import title_height
 from pretrain.mae import MAE, normalize_patches, patchify, reconstruction_grid, unpatchify
+from tests.unit.conftest import wide_vit
 
-ENCODER = dict(embed_dim=64, depth=2, num_heads=4)
 DECODER = dict(decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=4)
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
 
 
-def tiny_encoder(img_size=28, **kwargs):
-    return build_vit("tiny", img_size=img_size, patch_size=4, **ENCODER, **kwargs)
-
-
 def tiny_mae(img_size=28, norm_pix_loss=True, **kwargs):
-    torch.manual_seed(0)
-    return MAE(tiny_encoder(img_size), norm_pix_loss=norm_pix_loss, **DECODER, **kwargs)
+    """MAE around `wide_vit` (seed 0), decoder 32 wide."""
+    return MAE(wide_vit(img_size=img_size), norm_pix_loss=norm_pix_loss, **DECODER, **kwargs)
 
 
 def test_random_masking_keeps_exactly_the_budget_and_unshuffles():
@@ -89,17 +87,48 @@ def test_loss_counts_masked_patches_only():
     assert mae.forward_loss(imgs, changed_masked, out["mask"]) > out["loss"] + 1.0
 
 
-def test_backward_reaches_every_trainable_parameter():
+def test_backward_reaches_every_trainable_parameter_through_the_masked_patches_only():
     mae = tiny_mae()
     out = mae({"image": torch.randn(2, 3, 28, 28)})
     assert out["loss"].dtype == torch.float32 and out["loss"].ndim == 0
+    out["pred"].retain_grad()
     out["loss"].backward()
     assert not mae.encoder.pos_embed.requires_grad and mae.encoder.pos_embed.grad is None
-    trainable = [(name, p) for name, p in mae.named_parameters() if p.requires_grad]
+    trainable = {name: p for name, p in mae.named_parameters() if p.requires_grad}
     assert len(trainable) == len(list(mae.parameters())) - 1
-    for name, param in trainable:
+    encoder = [name for name in trainable if name.startswith("encoder.")]
+    assert len(encoder) == len(list(mae.encoder.parameters())) - 1 and "encoder.blocks.1.mlp.fc2.weight" in encoder
+    assert {"mask_token", "decoder_embed.weight", "decoder_pred.weight", "decoder_blocks.0.attn.qkv.weight"} <= set(
+        trainable
+    )
+    for name, param in trainable.items():
         assert param.grad is not None, name
         assert torch.isfinite(param.grad).all() and param.grad.abs().sum() > 0, name
+    # The loss reads the prediction of every masked patch (37 of 49 per image) and of no visible one.
+    pred_grad, masked = out["pred"].grad, out["mask"].bool()  # (B, L, P), (B, L)
+    assert masked.sum(dim=1).tolist() == [37, 37]
+    assert torch.count_nonzero(pred_grad[~masked]) == 0
+    assert (pred_grad[masked].abs().sum(dim=-1) > 0).all()
+
+
+def test_the_encoder_never_sees_the_masked_patches():
+    """Same masks (same seed), the pixels under them shifted by 3: the encoder's output is unchanged, while the pixel
+    loss, whose targets are exactly those pixels, grows."""
+    mae = tiny_mae(norm_pix_loss=False)
+    imgs = torch.randn(2, 3, 28, 28)
+    torch.manual_seed(1)
+    latent, mask, _ = mae.forward_encoder(imgs, 0.75)
+    pixel_mask = mae.unpatchify(mask.unsqueeze(-1).expand(-1, -1, 48)).bool()  # (B, 3, 28, 28)
+    shifted = torch.where(pixel_mask, imgs + 3.0, imgs)
+    torch.manual_seed(1)
+    latent_shifted, mask_shifted, _ = mae.forward_encoder(shifted, 0.75)
+    assert torch.equal(mask_shifted, mask)
+    torch.testing.assert_close(latent_shifted, latent, rtol=0, atol=0)
+    losses = []
+    for images in (imgs, shifted):
+        torch.manual_seed(1)
+        losses.append(mae({"image": images})["loss"])
+    assert losses[1] > losses[0] + 5.0  # about 3^2 more per masked pixel
 
 
 def test_bf16_autocast_gives_finite_float32_loss():
@@ -113,7 +142,17 @@ def test_bf16_autocast_gives_finite_float32_loss():
     assert out["loss"].dtype == torch.float32 and torch.isfinite(out["loss"])
     assert out["pred"].dtype == torch.bfloat16
     torch.testing.assert_close(out["loss"], reference, rtol=0.05, atol=0)
+    # bf16 gradients point where the float32 ones do: every parameter's, and all of them together.
+    reference.backward()
+    fp32 = {name: p.grad.clone() for name, p in mae.named_parameters() if p.grad is not None}
+    mae.zero_grad(set_to_none=True)
     out["loss"].backward()
+    bf16 = {name: p.grad for name, p in mae.named_parameters() if p.grad is not None}
+    assert bf16.keys() == fp32.keys() and all(g.dtype == torch.float32 for g in bf16.values())
+    cosine = {name: F.cosine_similarity(bf16[name].flatten(), fp32[name].flatten(), dim=0) for name in fp32}
+    assert all(c > 0.95 for c in cosine.values()), cosine
+    everything = [torch.cat([g[name].flatten() for name in fp32]) for g in (bf16, fp32)]
+    assert F.cosine_similarity(*everything, dim=0) > 0.99
 
 
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
@@ -129,8 +168,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
 
 
 def test_init_and_no_weight_decay():
-    encoder = tiny_encoder()
-    mae = MAE(encoder, **DECODER)
+    mae = MAE(wide_vit(), **DECODER)
     torch.testing.assert_close(mae.encoder.pos_embed.data, sincos_pos_embed_2d(64, (7, 7)))
     torch.testing.assert_close(mae.decoder_pos_embed, sincos_pos_embed_2d(32, (7, 7)))
     assert "decoder_pos_embed" not in mae.state_dict()
@@ -141,7 +179,7 @@ def test_init_and_no_weight_decay():
 
 def test_encoder_still_loads_into_a_fresh_timm_model_and_matches_it():
     mae = tiny_mae()
-    fresh = tiny_encoder()
+    fresh = wide_vit()
     fresh.load_state_dict(mae.encoder.state_dict(), strict=True)
     imgs = torch.randn(2, 3, 28, 28)
     # With nothing masked the encoder sees every patch, shuffled; un-shuffled it must equal timm's own forward.
@@ -163,12 +201,12 @@ def test_encoder_still_loads_into_a_fresh_timm_model_and_matches_it():
 )
 def test_unsupported_encoder_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        MAE(tiny_encoder(**kwargs), **DECODER)
+        MAE(wide_vit(**kwargs), **DECODER)
 
 
 def test_mask_ratio_that_keeps_nothing_is_rejected():
     with pytest.raises(ValueError, match="mask_ratio 0.99"):
-        MAE(tiny_encoder(), mask_ratio=0.99, **DECODER)
+        MAE(wide_vit(), mask_ratio=0.99, **DECODER)
 
 
 def _panel(grid, row, col, size=28, scale=4, pad=2):

@@ -1,13 +1,13 @@
 """Optimizer parameter groups: weight-decay exclusions and layer-wise lr decay through timm's group matcher."""
 
 import pytest
-import timm
 import torch
 
 from core.config import load_config
 from core.engine.distributed import DistInfo
 from core.engine.setup import GuardedAdamW, build_optimizer, parallelize, set_attention
 from finetune.classification import Classification
+from tests.unit.conftest import tiny_vit
 
 
 def _groups_by_name(objective, optimizer) -> dict[str, dict]:
@@ -16,22 +16,13 @@ def _groups_by_name(objective, optimizer) -> dict[str, dict]:
     return {name: by_id[id(p)] for name, p in objective.named_parameters()}
 
 
-def _classifier(depth: int = 3) -> Classification:
-    model = timm.create_model(
-        "vit_tiny_patch16_224",
-        img_size=16,
-        patch_size=4,
-        embed_dim=32,
-        depth=depth,
-        num_heads=2,
-        num_classes=5,
-        global_pool="avg",
-    )
-    return Classification(model)
+def _classifier() -> Classification:
+    """A 3-block tiny ViT with a 5-class head: enough blocks for three distinct layer-decay depths."""
+    return Classification(tiny_vit(depth=3, num_classes=5, global_pool="avg").train())
 
 
 def test_layer_decay_scales_lr_by_depth():
-    objective = _classifier(depth=3)
+    objective = _classifier()
     cfg = load_config(None, ["stage=finetune", "optim.layer_decay=0.5", "optim.weight_decay=0.1"])
     groups = _groups_by_name(objective, build_optimizer(objective, cfg))
     # 3 blocks: embeddings are layer 0, block i is layer i + 1, final norm and head the top layer 4 (scale 1).

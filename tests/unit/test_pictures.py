@@ -9,11 +9,11 @@ from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 from core.config import Config
 from core.logging import MetricsLogger, flat_hparams
-from core.models import build_vit
 from core.pictures import PADDING, bar_chart, bar_chart_origin, image_grid, title_height, upscale_nearest
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.pictures import MASKED_GREY, OUTLINE, code_usage, code_usage_picture, masked_patch_grid
 from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2, class_colors, quantize_color
+from tests.unit.conftest import tiny_vit
 
 NORM = dict(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
 
@@ -58,9 +58,7 @@ def test_class_colors_are_the_bin_centres_quantize_color_maps_back():
 
 
 def _beit(target):
-    torch.manual_seed(0)
-    encoder = build_vit("tiny", img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
-    return MaskedPatchPrediction(encoder, target)
+    return MaskedPatchPrediction(tiny_vit(seed=0), target)
 
 
 def _masked_batch():

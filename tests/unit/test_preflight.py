@@ -14,9 +14,9 @@ import torch
 import yaml
 
 from core.launch import main as launch_check
-from core.models import build_vit
 from data.__main__ import main as data_main
 from tests.launching import TINY_MODEL, copy_shards
+from tests.unit.conftest import tiny_vit
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +26,6 @@ def shards(tmp_path_factory) -> Path:
     args = ["--num-samples", "64", "--image-size", "16", "--num-classes", "4", "--shard-size", "16"]
     data_main(["write", "--source", "synthetic", "--out", str(out), *args])
     return out
-
-
-def tiny_state(embed_dim: int = 32, patch_size: int = 4) -> dict[str, torch.Tensor]:
-    """A timm ViT's state dict: the recipe's tiny model, or one of another width or patch size."""
-    args = {k: v for k, v in TINY_MODEL.items() if k != "size"}
-    return build_vit("tiny", **{**args, "embed_dim": embed_dim, "patch_size": patch_size}).state_dict()
 
 
 def finetune_recipe(tmp_path: Path, shards: Path, **model) -> Path:
@@ -58,7 +52,8 @@ def check(capsys, recipe: Path, *overrides: str) -> tuple[int, list[str], str]:
 
 def test_good_recipe_passes_and_the_plan_says_what_was_checked(capsys, tmp_path, shards):
     init = tmp_path / "encoder.safetensors"
-    safetensors.torch.save_file(tiny_state(patch_size=8), init)  # another patch size: the hand-off resamples it
+    # another patch size: the hand-off resamples it
+    safetensors.torch.save_file(tiny_vit(patch_size=8).state_dict(), init)
     code, lines, printed = check(capsys, finetune_recipe(tmp_path, shards, init=str(init)), f"data.val={shards}")
     assert code == 0 and lines == [], printed
     assert (
@@ -72,7 +67,7 @@ def test_good_recipe_passes_and_the_plan_says_what_was_checked(capsys, tmp_path,
 def _mae_pickle(tmp_path: Path) -> Path:
     """An official-MAE-style checkpoint: the weights next to a pickled argparse.Namespace."""
     path = tmp_path / "mae_pretrain.pth"
-    state = {**tiny_state(), "mask_token": torch.zeros(1, 1, 32), "decoder_embed.weight": torch.zeros(16, 32)}
+    state = tiny_vit().state_dict() | {"mask_token": torch.zeros(1, 1, 32), "decoder_embed.weight": torch.zeros(16, 32)}
     torch.save({"model": state, "args": argparse.Namespace(model="mae_vit_tiny")}, path)
     return path
 
@@ -104,7 +99,7 @@ def init_missing(t: Path, s: Path):
 
 
 def init_of_another_width(t: Path, s: Path):
-    safetensors.torch.save_file(tiny_state(embed_dim=64), t / "wide.safetensors")
+    safetensors.torch.save_file(tiny_vit(embed_dim=64).state_dict(), t / "wide.safetensors")
     words = "ViT 64 wide, 2 blocks, patch 4x4 does not fit the recipe's model (ViT 32 wide, 2 blocks, patch 4x4)"
     return [f"model.init={t}/wide.safetensors"], "model.init", f"{t}/wide.safetensors", words
 
@@ -196,7 +191,7 @@ def test_tokenizer_target_and_bare_teacher(capsys, tmp_path, shards):
     assert f"{tmp_path}/tok/mimpipe.json" in lines[0]
 
     teacher = tmp_path / "teacher.safetensors"
-    safetensors.torch.save_file(tiny_state(), teacher)
+    safetensors.torch.save_file(tiny_vit().state_dict(), teacher)
     code, lines, printed = check(capsys, recipe, "distill.kind=soft", f"distill.teacher={teacher}")
     assert code == 2 and lines == [
         f"launch.sh: distill.teacher: distill.teacher {teacher} is a bare checkpoint: set distill.teacher_arch "

@@ -8,22 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from core.config import load_config
-from core.models import build_vit
 from finetune.classification import Classification
 from finetune.distillation import Distillation, distillation_loss, to_distilled
 from finetune.probe_ema import WeightEMA, fold_probe_head, make_linear_probe
 from finetune.teacher import load_teacher
-
-
-def _vit(distilled: bool = False, seed: int = 0, **kwargs):
-    torch.manual_seed(seed)
-    args = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5)
-    return build_vit("tiny", distilled=distilled, **(args | kwargs))
+from tests.unit.conftest import tiny_vit
 
 
 def test_linear_probe_trains_only_the_head_and_folds_exactly():
-    model = make_linear_probe(_vit(global_pool="avg"))
-    objective = Classification(model)
+    model = make_linear_probe(tiny_vit(num_classes=5, global_pool="avg"))
+    objective = Classification(model).train()  # as the engine trains it
     encoder_before = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("head.")}
     optimizer = torch.optim.SGD([p for p in objective.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
     for _ in range(3):
@@ -38,7 +32,7 @@ def test_linear_probe_trains_only_the_head_and_folds_exactly():
     }
     model.eval()
     images = torch.randn(4, 3, 16, 16)
-    plain = _vit(global_pool="avg")
+    plain = tiny_vit(num_classes=5, global_pool="avg")
     plain.load_state_dict(fold_probe_head(model.state_dict()), strict=True)
     plain.eval()
     torch.testing.assert_close(plain(images), model(images), rtol=1e-4, atol=1e-5)
@@ -90,18 +84,26 @@ def test_soft_and_hard_distillation_losses_on_hand_values():
 
 
 def test_distillation_objective_combines_the_two_losses_and_averages_heads_in_eval():
-    plain = _vit(seed=1)
-    student = _vit(distilled=True, seed=2)
+    plain = tiny_vit(num_classes=5, seed=1)
+    student = tiny_vit(num_classes=5, distilled=True, seed=2)
     new = to_distilled(plain, student)
     assert set(new) == {"dist_token", "head_dist.weight", "head_dist.bias"}
     torch.testing.assert_close(student.pos_embed[:, 1], plain.pos_embed[:, 0])  # dist position from the cls one
-    teacher = _vit(seed=3)
-    objective = Distillation(student, teacher, kind="hard", alpha=0.5)
+    teacher = tiny_vit(num_classes=5, seed=3)
+    objective = Distillation(student, teacher, kind="hard", alpha=0.5).train()  # as the engine trains it
     batch = {"image": torch.randn(6, 3, 16, 16), "label": torch.randint(0, 5, (6,))}
     out = objective(batch)
     torch.testing.assert_close(out["loss"], 0.5 * out["loss_base"] + 0.5 * out["loss_teacher"])
     out["loss"].backward()
-    assert student.head_dist.weight.grad is not None and student.head.weight.grad is not None
+    # Each head learns from its own half of the loss: the class head from the labels, the other from the teacher's
+    # hard decisions.
+    logits, dist_logits = student(batch["image"])  # (B, K) each
+    (label_part,) = torch.autograd.grad(0.5 * F.cross_entropy(logits, batch["label"]), student.head.weight)
+    teacher_labels = teacher(batch["image"]).argmax(dim=-1)
+    (teacher_part,) = torch.autograd.grad(0.5 * F.cross_entropy(dist_logits, teacher_labels), student.head_dist.weight)
+    assert teacher_part.abs().sum() > 0 and label_part.abs().sum() > 0
+    torch.testing.assert_close(student.head_dist.weight.grad, teacher_part)
+    torch.testing.assert_close(student.head.weight.grad, label_part)
     assert not any(p.grad is not None for p in teacher.parameters()) and "teacher" not in dict(
         objective.named_modules()
     )
@@ -116,7 +118,7 @@ def test_distillation_objective_combines_the_two_losses_and_averages_heads_in_ev
 
 def test_distillation_needs_a_distilled_student():
     with pytest.raises(ValueError, match="distillation token"):
-        Distillation(_vit(), _vit(), kind="soft")
+        Distillation(tiny_vit(num_classes=5), tiny_vit(num_classes=5), kind="soft")
     assert timm.is_model("deit_tiny_distilled_patch16_224")
 
 
