@@ -11,8 +11,8 @@ import torch
 
 from core.config import dump_config, load_config
 from core.engine.checkpoint import find_resume, load_checkpoint, save_checkpoint
-from core.engine.loop import TrainState
 from core.engine.distributed import init_distributed
+from core.engine.loop import TrainState
 from core.engine.setup import parallelize
 from pretrain.objectives import objective_builder
 

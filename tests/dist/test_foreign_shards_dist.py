@@ -34,11 +34,15 @@ def test_mae_pretraining_on_unlabelled_shards_skips_and_counts_bad_samples(laion
     )  # fmt: skip
     proc = launch(write_recipe(tmp_path / "mae_laion.yaml", recipe), nproc=1)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert sorted(losses(tmp_path / "run")) == [1, 2, 3] and all(math.isfinite(v) for v in losses(tmp_path / "run").values())
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3] and all(
+        math.isfinite(v) for v in losses(tmp_path / "run").values()
+    )
     # 24 images: one whole shard (its 4 bad samples) and 8 of the other (1 or 2 of its bad ones) in either order.
     corrupt = [m["data/corrupt_samples"] for m in read_metrics(tmp_path / "run") if "data/corrupt_samples" in m]
     assert corrupt == sorted(corrupt) and corrupt[-1] in (5, 6)
-    assert f"skipping sample {CAPTION_ONLY}" in proc.stdout and f"corrupt image jpg of sample {TRUNCATED}" in proc.stdout
+    assert (
+        f"skipping sample {CAPTION_ONLY}" in proc.stdout and f"corrupt image jpg of sample {TRUNCATED}" in proc.stdout
+    )
     assert "needs an image and a .cls entry" not in proc.stdout
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
 

@@ -21,7 +21,13 @@ def finetune_recipe(train, run_dir) -> dict:
         "run_dir": str(run_dir),
         "model": dict(TINY_MODEL),
         # Each epoch splits the shard permutation over the 2 ranks: one rank reads a given shard, in order.
-        "data": {"train": str(train), "global_batch_size": 32, "num_workers": 1, "resampled": False, "shuffle_buffer": 0},
+        "data": {
+            "train": str(train),
+            "global_batch_size": 32,
+            "num_workers": 1,
+            "resampled": False,
+            "shuffle_buffer": 0,
+        },
         "objective": {"kind": "classification"},
         "schedule": {"steps": 200, "warmup_steps": 1},
         "engine": {"zero_stage": 1},

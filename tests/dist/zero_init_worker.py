@@ -54,7 +54,13 @@ def trained(out: Path, dist, stage: int, grad_clip: float, start: dict | None) -
     times the lr, so a difference in the gradients shows at its own size; Adam would blow up rounding noise in
     gradients that are zero in exact arithmetic, such as the attention's key bias.)"""
     overrides = [*MODEL.split(), *KINDS["mae"].split(), f"engine.zero_stage={stage}", "engine.precision=fp32"]
-    overrides += [f"optim.grad_clip={grad_clip}", "optim.kind=sgd", "optim.base_lr=64", "data.global_batch_size=4", f"run_dir={out}"]
+    overrides += [
+        f"optim.grad_clip={grad_clip}",
+        "optim.kind=sgd",
+        "optim.base_lr=64",
+        "data.global_batch_size=4",
+        f"run_dir={out}",
+    ]
     cfg = load_config(None, overrides)
     torch.manual_seed(0)
     engine, _ = parallelize(objective_builder(cfg), cfg=cfg, dist=dist, run_dir=out)
