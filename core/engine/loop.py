@@ -200,13 +200,13 @@ def train(
 
 
 def _periodic_extras(cfg: Config, step: int, first_step: int, total_steps: int, logger, evaluate, log_images) -> None:
-    """Pictures every `logging.image_every_steps` (and at the first and last step), evaluation every `eval.every_steps`
-    and at the last step. Both run before the step's checkpoint, so that it holds what the evaluation changed (the
-    best score of a fine-tuning run)."""
+    """Pictures every `logging.image_every_steps` (and at the first and last step), evaluation every
+    `cfg.eval_every_steps` and at the last step. Both run before the step's checkpoint, so that it holds what the
+    evaluation changed (the best score of a fine-tuning run)."""
     image_every = cfg.logging.image_every_steps
     if log_images is not None and image_every and (step % image_every == 0 or step in (first_step, total_steps)):
         log_images(step)
-    every = cfg.eval.every_steps
+    every = cfg.eval_every_steps
     if evaluate is not None and (step == total_steps or (every and step % every == 0)):
         logger.scalars(step, evaluate(step))
 
