@@ -189,3 +189,21 @@ def test_config_defaults_and_values():
 def test_config_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(None, overrides)
+
+
+def test_preflight_checks_the_knn_sets_for_images_and_labels(capsys, tmp_path):
+    """The bank defaults to data.train, which pretraining reads without labels: the monitor needs them."""
+    from core.launch import main as launch_check
+    from tests.launching import copy_shards, write_synthetic
+
+    train = write_synthetic(tmp_path / "train", "train", 32, 16, seed=0)
+    unlabelled = copy_shards(train, tmp_path / "nocls", drop="cls")
+    recipe = tmp_path / "pretrain.yaml"
+    recipe.write_text(f"run_dir: {tmp_path / 'run'}\ndata: {{train: {unlabelled}}}\nschedule: {{steps: 2}}\n")
+    knn = ["eval.knn.enabled=true", f"eval.knn.query.shards={train}"]
+    code = launch_check([str(recipe), *knn, "--nproc-per-node", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "launch.sh: eval.knn.bank.shards (data.train): " in err and "no .cls" in err, err
+    code = launch_check([str(recipe), *knn, f"eval.knn.bank.shards={train}", "--nproc-per-node", "1"])
+    printed = "".join(capsys.readouterr())
+    assert code == 0 and "eval.knn.query.shards: first sample of train-000000.tar has .png and a label" in printed
