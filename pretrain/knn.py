@@ -181,15 +181,18 @@ def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
         return None
     transform = eval_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, crop_pct=cfg.data.eval_crop_pct)
 
-    def loader(spec, max_samples: int | None):
-        return make_eval_loader(
-            resolve_shards(spec), transform=transform, batch_size=knn.batch_size_per_device, rank=dist.rank,
-            world_size=dist.world_size, num_workers=cfg.data.num_workers, label_field=cfg.data.label_field,
-            max_samples=max_samples,
-        )  # fmt: skip
+    def loader(key: str, spec, max_samples: int | None):
+        try:
+            return make_eval_loader(
+                resolve_shards(spec), transform=transform, batch_size=knn.batch_size_per_device, rank=dist.rank,
+                world_size=dist.world_size, num_workers=cfg.data.num_workers, label_field=cfg.data.label_field,
+                max_samples=max_samples,
+            )  # fmt: skip
+        except ValueError as err:  # no such shards, fewer shards than ranks
+            raise ValueError(f"{key}: {err}") from err
 
-    bank_loader = loader(knn.bank.shards or cfg.data.train, knn.bank.max_samples)
-    query_loader = loader(knn.query.shards or cfg.data.val, knn.query.max_samples)
+    bank_loader = loader("eval.knn.bank.shards", knn.bank.shards or cfg.data.train, knn.bank.max_samples)
+    query_loader = loader("eval.knn.query.shards", knn.query.shards or cfg.data.val, knn.query.max_samples)
     height, width = cfg.model.img_size if isinstance(cfg.model.img_size, tuple) else (cfg.model.img_size,) * 2
     encoder = engine.module.encoder
 

@@ -207,3 +207,35 @@ def test_preflight_checks_the_knn_sets_for_images_and_labels(capsys, tmp_path):
     code = launch_check([str(recipe), *knn, f"eval.knn.bank.shards={train}", "--nproc-per-node", "1"])
     printed = "".join(capsys.readouterr())
     assert code == 0 and "eval.knn.query.shards: first sample of train-000000.tar has .png and a label" in printed
+
+
+def test_monitor_in_one_process(capsys, tmp_path):
+    """The whole `evaluate(step)` on a tiny random MAE encoder: synthetic classes are told apart by colour alone."""
+    from types import SimpleNamespace
+
+    from core.logging import MetricsLogger
+    from pretrain.knn import knn_monitor
+    from pretrain.mae import MAE
+    from tests.launching import write_synthetic
+
+    train = write_synthetic(tmp_path / "train", "train", 64, 16, seed=0)
+    val = write_synthetic(tmp_path / "val", "val", 30, 10, seed=1)
+    overrides = [f"data.train={train}", "data.num_workers=0", "model.size=tiny", "model.embed_dim=32"]
+    overrides += ["model.depth=2", "model.num_heads=2", "model.img_size=16", "model.patch_size=4"]
+    overrides += ["eval.knn.enabled=true", "eval.knn.bank.max_samples=40", f"eval.knn.query.shards={val}"]
+    cfg = load_config(None, overrides)
+    objective = MAE(tiny_vit().train(), decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2)
+    run = SimpleNamespace(cfg=cfg, dist=DIST, logger=MetricsLogger(tmp_path, enabled=True, tensorboard=False))
+    evaluate = knn_monitor(run, SimpleNamespace(module=objective))
+    metrics = evaluate(7)
+    assert sorted(metrics) == ["knn/bank_samples", "knn/query_samples", "knn/seconds", "knn/top1", "knn/top5"]
+    assert metrics["knn/bank_samples"] == 40 and metrics["knn/query_samples"] == 30
+    assert 0.5 < metrics["knn/top1"] <= metrics["knn/top5"] == 1.0  # 4 classes: chance 0.25, top-5 holds all
+    assert f"[mimpipe] step 7 knn: top1 {metrics['knn/top1']:.4f}" in capsys.readouterr().out
+    assert objective.training and objective.encoder.blocks[0].training
+    assert evaluate(8)["knn/top1"] == metrics["knn/top1"]  # the loaders start a fresh pass at every call
+    assert knn_monitor(SimpleNamespace(cfg=load_config(None, []), dist=DIST), None) is None
+
+    run.dist = DistInfo(rank=0, local_rank=0, world_size=4, device=torch.device("cpu"))  # val has 3 shards
+    with pytest.raises(ValueError, match=r"eval.knn.query.shards: shard spec .*: 3 shards for 4 ranks"):
+        knn_monitor(run, SimpleNamespace(module=objective))
