@@ -177,7 +177,9 @@ def train(
             logger.scalars(step, values)
             logger.progress(step, values)
         if not stop:  # a preempted run has seconds left (torchrun's and SLURM's grace): only the checkpoint counts
+            extras_start = time.perf_counter()
             _periodic_extras(cfg, step, first_step, total_steps, logger, evaluate, log_images)
+            window.start += time.perf_counter() - extras_start  # pictures and evaluation are not training throughput
         state.step = step
         if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:
             tag_dir = save_checkpoint(
