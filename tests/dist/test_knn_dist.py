@@ -51,12 +51,13 @@ def test_zero2_bf16_monitor_logs_and_leaves_training_identical(zero2_run, shards
 
 
 def test_zero3_mean_pooling_leaves_training_identical(shards, tmp_path):
-    """ZeRO-3 with accumulation: the encoder's forwards are collective; a query limit of 100 of the 203."""
+    """ZeRO-3 with accumulation: the encoder's forwards are collective. A query limit of 100 of the 203 in batches of
+    16: rank 0's shards give 66 queries (5 batches), rank 1's 34 (3 batches), so rank 1 forwards 2 stand-ins."""
     engine = {"zero_stage": 3, "grad_accum_steps": 2}
     plain = pretrain_recipe(shards, tmp_path / "plain", engine=engine)
     proc = launch(write_recipe(tmp_path / "tiny_mae_z3.yaml", plain))
     assert proc.returncode == 0, proc.stdout[-4000:]
-    section = knn_section(shards, pooling="mean")
+    section = knn_section(shards, pooling="mean", batch_size_per_device=16)
     section["knn"]["query"]["max_samples"] = 100
     monitored = pretrain_recipe(shards, tmp_path / "knn", engine=engine, eval=section)
     proc = launch(write_recipe(tmp_path / "tiny_mae_z3_knn.yaml", monitored))
