@@ -23,6 +23,7 @@ from core.sections import (
     AugmentConfig,
     BEiTObjective,
     DistillConfig,
+    KNNConfig,
     MAEObjective,
     Objective,
     Section,
@@ -195,9 +196,11 @@ class LoggingConfig(Section):
 
 class EvalConfig(Section):
     every_steps: int = Field(0, ge=0)
-    """Evaluate on data.val every N steps (0 = at the end only)."""
+    """Fine-tuning: evaluate on data.val every N steps (0 = at the end only)."""
     per_class: bool = True
     """At the end: per-class accuracy table (console, TensorBoard text) and confusion matrix (TensorBoard image)."""
+    knn: KNNConfig = KNNConfig()
+    """Pretraining: the kNN monitor (knn.every_steps says how often it runs)."""
 
 
 class Config(Section):
@@ -238,12 +241,39 @@ class Config(Section):
                 "a schedule in epochs with a mixture in data.train needs data.samples_per_epoch (a mixture has no "
                 "epoch of its own; e.g. the sample count of its main source)"
             )
+        if self.eval.knn.enabled:
+            self._check_knn()
         if self.data.global_batch_size % self.engine.grad_accum_steps:
             raise ValueError(
                 f"data.global_batch_size {self.data.global_batch_size} is not divisible by "
                 f"engine.grad_accum_steps {self.engine.grad_accum_steps}"
             )
         return self
+
+    def _check_knn(self) -> None:
+        knn = self.eval.knn
+        if self.stage != "pretrain":
+            raise ValueError(
+                f"eval.knn needs stage pretrain, not {self.stage!r} (fine-tuning evaluates on data.val; the tokenizer "
+                "has no ViT encoder whose features a k-NN could classify)"
+            )
+        if knn.bank.shards is None and self.data.is_mixture:
+            raise ValueError("eval.knn.bank.shards must be set when data.train is a mixture (which source to embed?)")
+        if knn.bank.shards is None and not self.data.train:
+            raise ValueError("eval.knn.bank.shards is not set and neither is data.train")
+        if knn.query.shards is None and self.data.val is None:
+            raise ValueError("eval.knn.query.shards is not set and neither is data.val (the labelled queries)")
+        if knn.bank.max_samples is not None and knn.k > knn.bank.max_samples:
+            raise ValueError(
+                f"eval.knn.k {knn.k} is larger than eval.knn.bank.max_samples {knn.bank.max_samples} (the bank must "
+                "hold at least k neighbours)"
+            )
+
+    @property
+    def eval_every_steps(self) -> int:
+        """How often the loop evaluates (besides the last step): the kNN monitor's `eval.knn.every_steps` when
+        pretraining, else `eval.every_steps` (0: only at the last step)."""
+        return self.eval.knn.every_steps if self.stage == "pretrain" else self.eval.every_steps
 
     def batch_size_per_device(self, world_size: int) -> int:
         """Per-device micro-batch; raises ConfigError naming the key when the global batch does not split."""

@@ -167,6 +167,43 @@ Objective = Annotated[
 OBJECTIVES_BY_STAGE = {"pretrain": ("mae", "beit"), "finetune": ("classification",), "tokenizer": ("vqvae",)}
 
 
+class KNNSet(Section):
+    """A labelled set of the kNN monitor: its shards and how many of their samples to embed."""
+
+    shards: str | list[str] | None = None
+    """A shard spec (directory with index.json, brace pattern, glob, list); None: the bank defaults to `data.train`,
+    the queries to `data.val`. Labels are read as `data.label_field` says."""
+    max_samples: int | None = Field(None, gt=0)
+    """Embed at most this many samples: the first samples of every shard, each shard's share in proportion to its
+    size in index.json (equal shares without one), so that the set does not depend on the world size and covers
+    every shard (shards written class by class still give every class). None: all of them."""
+
+
+class KNNBank(KNNSet):
+    """The kNN monitor's bank: as `KNNSet`, 10,000 samples unless the recipe says."""
+
+    max_samples: int | None = Field(10000, gt=0)
+
+
+class KNNConfig(Section):
+    """The kNN monitor of pretraining (DINO's weighted k-NN classifier on frozen features, README "kNN monitor")."""
+
+    enabled: bool = False
+    every_steps: int = Field(1000, gt=0)
+    """Embed the bank and the queries and classify every N optimizer steps (and at the last step)."""
+    bank: KNNBank = KNNBank()
+    """The labelled neighbours (default: 10,000 of the training shards)."""
+    query: KNNSet = KNNSet()
+    """The labelled samples classified by their neighbours in the bank (default: all of `data.val`)."""
+    k: int = Field(20, gt=0)
+    """Neighbours that vote (DINO: 20)."""
+    temperature: float = Field(0.07, gt=0.0)
+    """A neighbour's vote is exp(cosine similarity / temperature) (DINO: 0.07)."""
+    pooling: Literal["cls", "mean"] = "cls"
+    """The image's feature: the class token after the final norm, or the mean of the patch tokens after it."""
+    batch_size_per_device: int = Field(256, gt=0)
+
+
 class TrainSource(Section):
     """One source of a training mixture (see `DataConfig.train`)."""
 

@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from data import wds_compat
 from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS, decode_rgb, image_field, read_label
 from data.order import train_order
-from data.specs import WeightedShards, dataset_size, describe_shards
+from data.specs import WeightedShards, dataset_size, describe_shards, sample_quotas
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +145,14 @@ def make_eval_loader(
     num_workers: int,
     labels: bool = True,
     label_field: str | None = None,
+    max_samples: int | None = None,
 ) -> DataLoader:
     """One pass over the shards in order; across all ranks and workers every sample appears once.
 
     Uses fewer workers when there are fewer than `world_size * num_workers` shards. Each worker's last
-    batch may be partial. Arguments and batches are as in `make_train_loader`.
+    batch may be partial. `max_samples` limits the pass to the first samples of every shard, `max_samples` in all
+    (see `sample_quotas`: the same samples for any world size). Other arguments and batches are as in
+    `make_train_loader`.
     """
     _check_loader_args(shards, batch_size, 0, rank, world_size, num_workers)
     if len(shards) < world_size:
@@ -159,6 +162,7 @@ def make_eval_loader(
     stream = _ShardStream(
         shards, transform=transform, batch_size=batch_size, seed=0, rank=rank, world_size=world_size, train=False,
         labels=labels, label_field=label_field,
+        quotas=None if max_samples is None else sample_quotas(shards, max_samples),
     )  # fmt: skip
     return _make_loader(stream, min(num_workers, len(shards) // world_size))
 
@@ -183,6 +187,7 @@ class _ShardStream(IterableDataset):
         label_field: str | None = None,
         sources: list[WeightedShards] | None = None,
         num_open_shards: int = 1,
+        quotas: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.shards, self.transform, self.batch_size = list(shards), transform, batch_size
@@ -190,6 +195,7 @@ class _ShardStream(IterableDataset):
         self.shuffle_buffer, self.resampled, self.skip_batches = shuffle_buffer, resampled, skip_batches
         self.labels, self.label_field = labels, label_field
         self.sources, self.num_open_shards = sources or [WeightedShards(self.shards, 1.0)], num_open_shards
+        self.quotas = quotas  # eval: samples (with an image) to read from the start of each shard; None: all
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         loader_worker, num_workers = _worker_position()
@@ -200,8 +206,11 @@ class _ShardStream(IterableDataset):
         stream_id, num_streams = self.rank * num_workers + worker, self.world_size * num_workers
         if self.train:
             samples = self._train_samples(worker, stream_id, num_streams)
-        else:
+        elif self.quotas is None:
             samples = _read_shards(self.shards[stream_id::num_streams])
+        else:
+            own = zip(self.shards[stream_id::num_streams], self.quotas[stream_id::num_streams], strict=True)
+            samples = (sample for url, quota in own for sample in _first_image_samples(_read_shards([url]), quota))
         own_skipped = self.skip_batches // num_workers + int(worker < self.skip_batches % num_workers)
         num_skipped = own_skipped * self.batch_size
         samples = _skip_image_samples(samples, num_skipped)  # raw samples: nothing decoded
@@ -256,6 +265,16 @@ def _skip_image_samples(samples: Iterator[dict[str, Any]], count: int) -> Iterat
             yield sample
         else:
             seen += image_field(sample) is not None
+
+
+def _first_image_samples(samples: Iterator[dict[str, Any]], count: int) -> Iterator[dict[str, Any]]:
+    """`samples` up to and including the `count`-th with an image field (the imageless ones among them too)."""
+    seen = 0
+    for sample in samples:
+        if seen == count:
+            return
+        seen += image_field(sample) is not None
+        yield sample
 
 
 def _no_label(sample: dict[str, Any]) -> int:

@@ -80,6 +80,42 @@ def dataset_size(spec: str | list[str] | list[Any]) -> int | None:
     return sum(counts[s] for s in shards)
 
 
+def shard_sizes(shards: list[str]) -> list[int] | None:
+    """Samples in each shard, from the `index.json` files beside them; None when some shard is not listed."""
+    counts: dict[str, int] = {}
+    for directory in {os.path.dirname(s) for s in shards}:
+        if os.path.isfile(os.path.join(directory, INDEX_FILE)):
+            for entry in read_index(directory)["shards"]:
+                counts[os.path.join(directory, entry["name"])] = entry["num_samples"]
+    return [counts[s] for s in shards] if all(s in counts for s in shards) else None
+
+
+def sample_quotas(shards: list[str], max_samples: int) -> list[int]:
+    """How many samples to take from the start of each shard so that `max_samples` are taken in all.
+
+    Each shard's share is proportional to its size in index.json (largest remainders round up, ties in shard order),
+    so every shard contributes; without an index every shard gets an equal share, and shards smaller than their share
+    give fewer samples. The quotas depend on the shards alone, not on how ranks or workers split them.
+
+    Raises:
+        ValueError: If `max_samples` < 1.
+    """
+    if max_samples < 1:
+        raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+    sizes = shard_sizes(shards)
+    if sizes is None:
+        return [max_samples // len(shards) + int(i < max_samples % len(shards)) for i in range(len(shards))]
+    total = sum(sizes)
+    if max_samples >= total:
+        return sizes
+    exact = [max_samples * size / total for size in sizes]
+    quotas = [int(share) for share in exact]
+    by_remainder = sorted(range(len(shards)), key=lambda i: (quotas[i] - exact[i], i))  # largest remainder first
+    for i in by_remainder[: max_samples - sum(quotas)]:
+        quotas[i] += 1
+    return quotas
+
+
 def dataset_classes(spec: str | list[str] | list[Any]) -> list[str]:
     """Class names from the `index.json` of `spec`'s folder, else beside its first shard ([] when there is none).
 

@@ -15,6 +15,7 @@ from core.engine.run import finish_stage, run_loop, seed_everything, start_engin
 from core.engine.stream import train_stream
 from pretrain.export import main as export_main
 from pretrain.export import pretrain_manifest
+from pretrain.knn import knn_monitor
 from pretrain.objectives import objective_builder, train_transform
 from pretrain.pictures import picture_hook
 from pretrain.train_tokenizer import train_tokenizer
@@ -41,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     # Pictures of the objective's output on one fixed batch with fixed masks, comparable across steps
     log_images = picture_hook(run, engine)
 
-    # Loop
-    code = run_loop(run, engine, optimizer, batches, LoopHooks(log_images=log_images))
+    # Loop, with the kNN monitor when eval.knn.enabled (every eval.knn.every_steps and at the last step)
+    hooks = LoopHooks(evaluate=knn_monitor(run, engine), log_images=log_images)
+    code = run_loop(run, engine, optimizer, batches, hooks)
     if code:
         return code
 

@@ -1,15 +1,29 @@
-"""Pretraining's launch-time check (run by core/preflight.py before any process starts): a BEiT-style tokenizer
-target loads and its code grid is the encoder's patch grid. A tokenizer export is small (a VQ-VAE of a few MB), so
-it is loaded in full, exactly as the ranks will."""
+"""Pretraining's launch-time checks (run by core/preflight.py before any process starts): a BEiT-style tokenizer
+target loads and its code grid is the encoder's patch grid (a tokenizer export is small, a VQ-VAE of a few MB, so it
+is loaded in full, exactly as the ranks will); the kNN monitor's bank and queries have images and labels."""
 
 from __future__ import annotations
 
 from core.config import Config
-from core.preflight import Findings
+from core.preflight import Findings, check_split
 from core.sections import BEiTObjective
 
 
 def check(cfg: Config, findings: Findings) -> None:
+    check_tokenizer(cfg, findings)
+    knn = cfg.eval.knn
+    if not knn.enabled:
+        return
+    sets = (
+        ("bank", knn.bank.shards, "data.train", cfg.data.train),
+        ("query", knn.query.shards, "data.val", cfg.data.val),
+    )
+    for name, spec, default_key, default in sets:  # the monitor reads labels, also in pretraining
+        key = f"eval.knn.{name}.shards" + ("" if spec else f" ({default_key})")
+        check_split(key, spec or default, cfg.data.label_field, True, findings)
+
+
+def check_tokenizer(cfg: Config, findings: Findings) -> None:
     o = cfg.objective
     if not (isinstance(o, BEiTObjective) and o.target.kind == "tokenizer"):
         return

@@ -85,6 +85,24 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
+def all_gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of `tensor` (N_r, ...), concatenated in rank order; ranks may hold different row counts.
+
+    Collective: every rank must call it, with the same trailing shape and dtype. Rows are padded to the longest
+    rank's count for the gather and the padding is dropped again.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tensor
+    counts = [torch.zeros(1, dtype=torch.int64, device=tensor.device) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([len(tensor)], dtype=torch.int64, device=tensor.device))
+    counts = [int(c) for c in counts]
+    padded = tensor.new_zeros((max(counts), *tensor.shape[1:]))
+    padded[: len(tensor)] = tensor
+    gathered = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(gathered, padded)
+    return torch.cat([rows[:count] for rows, count in zip(gathered, counts, strict=True)])
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -184,7 +184,9 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
             logger.scalars(step, values)
             logger.progress(step, values)
         if not stop:  # a preempted run has seconds left (torchrun's and SLURM's grace): only the checkpoint counts
+            extras_start = time.perf_counter()
             _periodic_extras(cfg, step, first_step, total_steps, logger, hooks)
+            window.start += time.perf_counter() - extras_start  # pictures and evaluation are not training throughput
         state.step = step
         if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:
             tag_dir = save_checkpoint(
@@ -207,13 +209,13 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
 
 
 def _periodic_extras(cfg: Config, step: int, first_step: int, total_steps: int, logger, hooks: LoopHooks) -> None:
-    """Pictures every `logging.image_every_steps` (and at the first and last step), evaluation every `eval.every_steps`
-    and at the last step. Both run before the step's checkpoint, so that it holds what the evaluation changed (the
-    best score of a fine-tuning run)."""
+    """Pictures every `logging.image_every_steps` (and at the first and last step), evaluation every
+    `cfg.eval_every_steps` and at the last step. Both run before the step's checkpoint, so that it holds what the
+    evaluation changed (the best score of a fine-tuning run)."""
     image_every = cfg.logging.image_every_steps
     if hooks.log_images is not None and image_every and (step % image_every == 0 or step in (first_step, total_steps)):
         hooks.log_images(step)
-    every = cfg.eval.every_steps
+    every = cfg.eval_every_steps
     if hooks.evaluate is not None and (step == total_steps or (every and step % every == 0)):
         logger.scalars(step, hooks.evaluate(step))
 
