@@ -105,7 +105,8 @@ def build_vit(
         raise ValueError(f"Unknown hybrid backbone {hybrid_backbone!r}; expected one of {sorted(HYBRID_ARCHITECTURES)}")
     stride = patch_size * (HYBRID_STRIDES[hybrid_backbone] if hybrid_backbone else 1)
     if height % stride or width % stride:
-        raise ValueError(f"img_size {(height, width)} is not divisible by {stride} px per token")
+        by = f" x the {hybrid_backbone} backbone's stride" if hybrid_backbone else ""
+        raise ValueError(f"img_size {(height, width)} is not divisible by patch_size {patch_size}{by} ({stride} px)")
     dims = VIT_SIZES[size]
     model_args = dict(
         img_size=(height, width),
