@@ -27,7 +27,29 @@ def test_recipes_exist():
         "mae_vitl.yaml",
         "mae_vith.yaml",
         "finetune_vitl.yaml",
+        "quickstart_hybrid.yaml",
+        "quickstart_t2t.yaml",
+        "quickstart_vt.yaml",
+        "quickstart_simmim.yaml",
+        "t2t_vit14.yaml",
+        "vt_resnet18.yaml",
     } <= names
+
+
+def test_encoder_recipes_build_the_arch_they_name():
+    expected = {
+        "quickstart_hybrid.yaml": ("vit_hybrid", (4, 4), "classification"),
+        "quickstart_t2t.yaml": ("t2t_vit", (4, 4), "classification"),
+        "quickstart_vt.yaml": ("vt_resnet", (2, 2), "classification"),
+        "quickstart_simmim.yaml": ("vit", (7, 7), "simmim"),
+        "t2t_vit14.yaml": ("t2t_vit", (14, 14), "classification"),
+        "vt_resnet18.yaml": ("vt_resnet", (14, 14), "classification"),
+    }
+    for name, (arch, grid, kind) in expected.items():
+        cfg = load_config(RECIPES[0].parent / name)
+        assert (cfg.model.arch, cfg.model.grid, cfg.objective.kind) == (arch, grid, kind), name
+    t2t = load_config(RECIPES[0].parent / "t2t_vit14.yaml")
+    assert t2t.peak_lr == 5e-4 and t2t.data.global_batch_size == 512 and t2t.schedule.epochs == 300
 
 
 def test_mae_vitl_is_the_paper_recipe():
