@@ -178,3 +178,17 @@ def test_layer_decay_groups_come_from_each_group_matcher(arch):
     first = {"vit_hybrid": "patch_embed.", "t2t_vit": "tokens_to_token.", "vt_resnet": "conv1."}[arch]
     assert stem_names and all(not n.startswith(("blocks.", "layer4.")) for n in stem_names)
     assert any(n.startswith(first) for n in stem_names)
+
+
+def test_simmim_reconstruction_picture_shows_four_panels_per_image():
+    from pretrain.pictures import PICTURES
+
+    cfg = simmim_cfg("vit_hybrid")
+    objective = objective_builder(cfg)().eval()
+    batch = simmim_batch(cfg, objective)
+    with torch.no_grad():
+        out = objective(batch)
+    tag, draw, _ = PICTURES["simmim"]
+    picture = draw(cfg, batch, out)
+    assert tag == "train/reconstruction" and picture.shape[0] == 3
+    assert picture.min() >= 0 and picture.max() <= 1 and picture.shape[2] > picture.shape[1]  # 4 panels wide
