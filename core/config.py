@@ -43,8 +43,8 @@ class ModelConfig(Section):
     img_size: int | tuple[int, int] = 224
     """Input resolution (square int or [height, width])."""
     patch_size: int = Field(16, gt=0)
-    """vit: patch side in pixels; vit_hybrid: patch side on the backbone's feature map (timm's default 1: every
-    feature-map cell is a token); t2t_vit, vt_resnet: unused (their stems fix the token grid)."""
+    """vit: patch side in pixels (default 16); vit_hybrid: patch side on the backbone's feature map (default 1, as
+    timm: every feature-map cell is a token); t2t_vit, vt_resnet: unused (their stems fix the token grid)."""
     hybrid_backbone: Literal["resnet_stem", "r26", "r50"] = "r50"
     """vit_hybrid: the ResNetV2 in front of the ViT, as timm builds it: r50 (stages 3-4-9, stride 16:
     `vit_base_r50_s16_224`, the ViT paper's hybrid), r26 (2-2-2-2, stride 32: `vit_small_r26_s32_224`), resnet_stem
@@ -98,6 +98,14 @@ class ModelConfig(Section):
         if self.arch == "vit_hybrid":
             return HYBRID_STRIDES[self.hybrid_backbone] * self.patch_size
         return 16
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hybrid_patch_default(cls, data):
+        """A hybrid's patches are cut from the feature map: timm's default there is 1 (one token per cell), not 16."""
+        if isinstance(data, dict) and data.get("arch") == "vit_hybrid" and "patch_size" not in data:
+            data = {**data, "patch_size": 1}
+        return data
 
     @model_validator(mode="after")
     def _check_patch(self) -> ModelConfig:
@@ -351,6 +359,14 @@ def _check_arch(cfg: Config) -> None:
         raise ValueError(
             f"engine.activation_checkpointing is implemented for model.arch vit and vit_hybrid, not {arch}"
         )
+    if cfg.engine.zero_stage == 3 and arch != "vit":
+        raise ValueError(
+            f"engine.zero_stage 3 needs model.arch vit, got {arch!r}: the hybrid runs its ResNet at construction "
+            "(to size the token grid) and T2T / VT initialise outside timm's VisionTransformer.init_weights, which "
+            "the ZeRO-3 build redoes (core/engine/zero_init.py); use zero_stage 2"
+        )
+    if getattr(cfg.objective, "mode", None) == "linear_probe" and arch == "vt_resnet":
+        raise ValueError("objective.mode linear_probe needs a model with a `head` (vit, vit_hybrid, t2t_vit)")
     if cfg.distill.kind != "none" and arch != "vit":
         raise ValueError(f"distill needs model.arch vit (DeiT's distillation token), got {arch!r}")
     if arch == "vt_resnet" and cfg.model.global_pool == "token":

@@ -113,11 +113,20 @@ def test_unit_masks_cover_whole_units_with_ceil_of_the_ratio():
         (["model.arch=vit_hybrid", "model.hybrid_backbone=r50", "model.patch_size=1", "model.img_size=40"], "16"),
         (["model.arch=t2t_vit", "engine.activation_checkpointing=true", "objective.kind=simmim"], "vit_hybrid"),
         (["stage=finetune", "model.arch=vt_resnet", "model.global_pool=token"], "averages its visual tokens"),
+        (["model.arch=t2t_vit", "objective.kind=simmim", "engine.zero_stage=3"], "use zero_stage 2"),
+        (["stage=finetune", "model.arch=vt_resnet", "objective.mode=linear_probe"], "needs a model with a `head`"),
+        (["stage=finetune", "model.arch=vit_hybrid", "distill.kind=soft", "distill.teacher=x"], "distill needs"),
     ],
 )
 def test_arch_cross_checks_name_the_fields(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+def test_hybrid_patch_defaults_to_one_feature_map_cell():
+    cfg = load_config(None, ["model.arch=vit_hybrid"])  # r50: stride 16 at 224 px
+    assert cfg.model.patch_size == 1 and cfg.model.grid == (14, 14) and cfg.model.pixel_stride == 16
+    assert load_config(None, []).model.patch_size == 16
 
 
 def test_hybrid_and_t2t_grids_in_the_recipe_match_the_built_models():
