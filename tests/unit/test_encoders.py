@@ -124,7 +124,7 @@ def test_arch_cross_checks_name_the_fields(overrides, match):
 
 
 def test_hybrid_patch_defaults_to_one_feature_map_cell():
-    cfg = load_config(None, ["model.arch=vit_hybrid"])  # r50: stride 16 at 224 px
+    cfg = load_config(None, ["model.arch=vit_hybrid", "objective.kind=simmim"])  # r50: stride 16 at 224 px
     assert cfg.model.patch_size == 1 and cfg.model.grid == (14, 14) and cfg.model.pixel_stride == 16
     assert load_config(None, []).model.patch_size == 16
 
