@@ -1,9 +1,10 @@
-"""Builds the timm Vision Transformer backbone and the fixed 2-D sin-cos position embedding.
+"""Builds the encoder the recipe names (`model.arch`) and the fixed 2-D sin-cos position embedding.
 
-The backbone is a plain `timm.models.vision_transformer.VisionTransformer` created through `timm.create_model`
-under a registered architecture name, so an exported `config.json` ("architecture" + "model_args") rebuilds the
-same model in stock timm. `build_model` builds it from the recipe. Nothing distributed lives here: a ZeRO-3 build
-redoes timm's initialisation from core/engine/zero_init.py.
+The backbone is a timm model created through `timm.create_model` under a registered architecture name: the plain
+`VisionTransformer`, timm's hybrid (a ResNetV2 whose feature map is the patch grid), or T2T-ViT / VT-ResNet
+(registered by core/t2t_vit.py and core/vt.py, imported at the end of this file). So an exported `config.json`
+("architecture" + "model_args") rebuilds the same model in stock timm. `build_model` builds it from the recipe.
+Nothing distributed lives here: a ZeRO-3 build redoes timm's initialisation from core/engine/zero_init.py.
 
 Shape legend:
     D: embedding width    gh, gw: patch grid rows, columns    N: gh * gw patches    P: prefix (cls) tokens
@@ -15,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import timm
 import torch
-from timm.layers import to_2tuple
+from timm.layers import PatchEmbed, to_2tuple
 from timm.models import get_model_args
 from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
 if TYPE_CHECKING:
     from core.config import Config
@@ -29,6 +31,14 @@ VIT_SIZES: dict[str, dict] = {
     "large": dict(embed_dim=1024, depth=24, num_heads=16),
     "huge": dict(embed_dim=1280, depth=32, num_heads=16),
 }
+
+# vit_hybrid: hybrid_backbone -> (timm architecture whose ResNetV2 it builds, the backbone's stride in pixels).
+HYBRID_ARCHITECTURES: dict[str, tuple[str, int]] = {
+    "resnet_stem": ("vit_tiny_r_s16_p8_224", 4),
+    "r26": ("vit_small_r26_s32_224", 32),
+    "r50": ("vit_base_r50_s16_224", 16),
+}
+HYBRID_STRIDES = {name: stride for name, (_, stride) in HYBRID_ARCHITECTURES.items()}
 
 # timm registers every size at patch 16 except huge (patch 14 only); used when `vit_{size}_patch{p}_224` is absent.
 _FALLBACK_ARCHITECTURES = {
@@ -60,6 +70,7 @@ def build_vit(
     num_heads: int | None = None,
     mlp_ratio: float = 4.0,
     distilled: bool = False,
+    hybrid_backbone: str | None = None,
     **timm_kwargs: Any,
 ) -> VisionTransformer:
     """Builds a randomly initialised timm ViT of a named size, optionally with custom width/depth/heads.
@@ -77,6 +88,8 @@ def build_vit(
         num_heads: Overrides the size's number of attention heads.
         mlp_ratio: MLP hidden width relative to `embed_dim`.
         distilled: DeiT's VisionTransformerDistilled (a distillation token and head next to the class token's).
+        hybrid_backbone: A key of `HYBRID_ARCHITECTURES`: timm's hybrid ViT with that ResNetV2 in front, whose
+            feature map is cut into `patch_size` patches (the image must be divisible by stride x patch_size).
         **timm_kwargs: Further `VisionTransformer` arguments (e.g. `qkv_bias`, `init_values`).
 
     Returns:
@@ -88,8 +101,12 @@ def build_vit(
     if size not in VIT_SIZES:
         raise ValueError(f"Unknown ViT size {size!r}; expected one of {sorted(VIT_SIZES)}")
     height, width = to_2tuple(img_size)
-    if height % patch_size or width % patch_size:
-        raise ValueError(f"img_size {(height, width)} is not divisible by patch_size {patch_size}")
+    if hybrid_backbone is not None and hybrid_backbone not in HYBRID_ARCHITECTURES:
+        raise ValueError(f"Unknown hybrid backbone {hybrid_backbone!r}; expected one of {sorted(HYBRID_ARCHITECTURES)}")
+    stride = patch_size * (HYBRID_STRIDES[hybrid_backbone] if hybrid_backbone else 1)
+    if height % stride or width % stride:
+        by = f" x the {hybrid_backbone} backbone's stride" if hybrid_backbone else ""
+        raise ValueError(f"img_size {(height, width)} is not divisible by patch_size {patch_size}{by} ({stride} px)")
     dims = VIT_SIZES[size]
     model_args = dict(
         img_size=(height, width),
@@ -105,14 +122,19 @@ def build_vit(
         **timm_kwargs,
     )
     name = _architecture_name(size, patch_size)
+    if hybrid_backbone is not None:
+        name = HYBRID_ARCHITECTURES[hybrid_backbone][0]
     if distilled:
         name = f"deit_{size}_distilled_patch16_224"
         name = name if timm.is_model(name) else "deit_base_distilled_patch16_224"  # model_args set the shape anyway
     return timm.create_model(name, pretrained=False, **model_args)
 
 
-def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> VisionTransformer:
-    """The timm ViT the recipe describes (DeiT's distilled variant when fine-tuning with `distill`, unless `plain`).
+def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> nn.Module:
+    """The timm model `model.arch` describes (DeiT's distilled ViT when fine-tuning with `distill`, unless `plain`).
+
+    Every arch is built by `timm.create_model` under a registered name (T2T-ViT and VT-ResNet are registered by
+    core/t2t_vit.py and core/vt.py), so `model_args` + that name rebuild it in timm.
 
     Args:
         cfg: The recipe; `model` gives the architecture, `engine.activation_checkpointing` the gradient checkpointing.
@@ -120,21 +142,48 @@ def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> Vi
         plain: Build the plain ViT even when the recipe distills.
     """
     m = cfg.model
-    model = build_vit(
-        m.size,
-        img_size=m.img_size,
-        patch_size=m.patch_size,
-        num_classes=num_classes,
-        global_pool="token" if m.global_pool == "auto" else m.global_pool,  # fine-tuning resolves auto first
-        drop_path_rate=m.drop_path_rate,
-        embed_dim=m.embed_dim,
-        depth=m.depth,
-        num_heads=m.num_heads,
-        distilled=not plain and cfg.stage == "finetune" and cfg.distill.kind != "none",
-        **({"init_values": m.layer_scale_init} if m.layer_scale_init is not None else {}),
-    )
-    model.set_grad_checkpointing(cfg.engine.activation_checkpointing)
+    global_pool = "token" if m.global_pool == "auto" else m.global_pool  # fine-tuning resolves auto first
+    widths = {k: v for k, v in dict(embed_dim=m.embed_dim, depth=m.depth, num_heads=m.num_heads).items() if v}
+    if m.arch == "t2t_vit":
+        model = timm.create_model(
+            f"t2t_vit_{m.t2t_variant}", img_size=m.img_size, num_classes=num_classes, global_pool=global_pool,
+            drop_path_rate=m.drop_path_rate, **widths,
+        )  # fmt: skip
+    elif m.arch == "vt_resnet":
+        model = timm.create_model(
+            f"vt_resnet{m.vt_variant}", img_size=m.img_size, num_classes=num_classes, drop_path_rate=m.drop_path_rate,
+            **({"token_dim": m.embed_dim} if m.embed_dim else {}),
+        )  # fmt: skip
+    else:
+        model = build_vit(
+            m.size,
+            img_size=m.img_size,
+            patch_size=m.patch_size,
+            num_classes=num_classes,
+            global_pool=global_pool,
+            drop_path_rate=m.drop_path_rate,
+            embed_dim=m.embed_dim,
+            depth=m.depth,
+            num_heads=m.num_heads,
+            distilled=not plain and cfg.stage == "finetune" and cfg.distill.kind != "none",
+            hybrid_backbone=m.hybrid_backbone if m.arch == "vit_hybrid" else None,
+            **({"init_values": m.layer_scale_init} if m.layer_scale_init is not None else {}),
+        )
+    if cfg.engine.activation_checkpointing:  # config.py allows it only for the archs that have it
+        model.set_grad_checkpointing(True)
     return model
+
+
+def model_args(model: nn.Module) -> dict[str, Any]:
+    """The keyword arguments that rebuild any arch `build_model` makes with `timm.create_model(architecture, ...)`:
+    `vit_model_args` for a ViT with a patch embedding, timm's recorded arguments otherwise (a hybrid's backbone is
+    fixed by its architecture name; T2T-ViT and VT-ResNet record every argument they were built with)."""
+    if isinstance(model, VisionTransformer) and isinstance(model.patch_embed, PatchEmbed):
+        return vit_model_args(model)
+    args = get_model_args(model)
+    if isinstance(model, VisionTransformer):  # hybrid: the width and depth as built, whatever was passed
+        args.update(embed_dim=model.embed_dim, depth=len(model.blocks), num_heads=model.blocks[0].attn.num_heads)
+    return args
 
 
 def vit_model_args(model: VisionTransformer) -> dict[str, Any]:
@@ -200,3 +249,8 @@ def sincos_pos_embed_2d(embed_dim: int, grid_size: tuple[int, int], num_prefix_t
     patches = torch.cat([encode(cols), encode(rows)], dim=1)  # (N, D)
     prefix = torch.zeros(num_prefix_tokens, embed_dim, dtype=torch.float64)  # (P, D)
     return torch.cat([prefix, patches], dim=0).float().unsqueeze(0)  # (1, P + N, D)
+
+
+# Registers t2t_vit_* and vt_resnet* with timm; imported last since both modules import this one.
+from core import t2t_vit as _t2t_vit  # noqa: E402, F401
+from core import vt as _vt  # noqa: E402, F401

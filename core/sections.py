@@ -97,6 +97,19 @@ class BEiTObjective(Section):
     head: Literal["linear", "mlp"] = "linear"
 
 
+class SimMIMObjective(Section):
+    """SimMIM (Xie et al. 2022): masked tokens become a learned mask token at the encoder's input, the encoder sees
+    the whole grid, a linear head regresses the raw (normalised) pixels, L1 on the masked pixels only. Unlike MAE it
+    needs no encoder that sees patches independently: it pretrains the hybrid and T2T-ViT too."""
+
+    kind: Literal["simmim"] = "simmim"
+    mask_ratio: float = Field(0.6, gt=0.0, lt=1.0)
+    """Fraction of mask units masked per image (SimMIM: 0.6); the count is ceil(ratio x units)."""
+    mask_patch_size: int = Field(2, gt=0)
+    """Side of a square mask unit in tokens (SimMIM: 32 px units over 16 px tokens = 2); it must divide the token
+    grid."""
+
+
 class VQVAEObjective(Section):
     """The image tokenizer trained by `stage: tokenizer`: a VQ-VAE with an EMA codebook and dead-code restarts."""
 
@@ -162,9 +175,10 @@ class DistillConfig(Section):
 
 
 Objective = Annotated[
-    MAEObjective | BEiTObjective | VQVAEObjective | ClassificationObjective, Field(discriminator="kind")
+    MAEObjective | BEiTObjective | SimMIMObjective | VQVAEObjective | ClassificationObjective,
+    Field(discriminator="kind"),
 ]
-OBJECTIVES_BY_STAGE = {"pretrain": ("mae", "beit"), "finetune": ("classification",), "tokenizer": ("vqvae",)}
+OBJECTIVES_BY_STAGE = {"pretrain": ("mae", "beit", "simmim"), "finetune": ("classification",), "tokenizer": ("vqvae",)}
 
 
 class KNNSet(Section):

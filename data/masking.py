@@ -1,6 +1,6 @@
 """Patch-mask generators for masked-patch prediction, run per sample inside the DataLoader workers.
 
-Two generators, each returning an (h, w) bool tensor over the patch grid, True = masked:
+Three generators, each returning an (h, w) bool tensor over the patch grid, True = masked:
 
 - `BlockwiseMaskGenerator`: BEiT's blockwise masking. Rectangular blocks (at least `min_patches`
   patches each, area drawn uniformly, aspect ratio log-uniform) are added until the budget is met
@@ -9,6 +9,7 @@ Two generators, each returning an (h, w) bool tensor over the patch grid, True =
   a batch of masks stacks into a fixed number of masked tokens per sample.
 - `RandomMaskGenerator`: exactly `round(ratio * h * w)` patches chosen uniformly (the ViT paper's
   masked-patch prediction).
+- `UnitMaskGenerator`: SimMIM's: `ceil(ratio * units)` random squares of `unit` x `unit` patches.
 
 Why in the workers: masks for MAE are drawn inside the objective, on the device, but blockwise
 masks are a sequential Python loop per sample. Making them in the workers keeps that loop off the
@@ -203,3 +204,39 @@ class RandomMaskGenerator:
         mask = torch.zeros(num_patches, dtype=torch.bool)  # (h * w,)
         mask[chosen] = True
         return mask.view(self.height, self.width)
+
+
+class UnitMaskGenerator:
+    """SimMIM's masking: the patch grid is cut into `unit` x `unit` squares of patches, and `ceil(ratio * units)` of
+    them, drawn uniformly, are masked (SimMIM: 32 px units over 16 px patches, 60% of them).
+
+    Args:
+        grid: Patch grid (height, width); both divisible by `unit`.
+        unit: Side of a mask unit in patches.
+        ratio: Fraction of units to mask, in (0, 1).
+    """
+
+    def __init__(self, grid: tuple[int, int], unit: int, ratio: float):
+        self.height, self.width = _check_grid(grid)
+        if unit < 1 or self.height % unit or self.width % unit:
+            raise ValueError(f"mask unit {unit} does not divide the grid {grid}")
+        if not 0.0 < ratio < 1.0:
+            raise ValueError(f"ratio must be in (0, 1), got {ratio}")
+        self.unit, self.ratio = unit, ratio
+        self.num_units = (self.height // unit) * (self.width // unit)
+        self.num_masked = math.ceil(ratio * self.num_units)
+
+    def __repr__(self) -> str:
+        return f"UnitMaskGenerator(grid=({self.height}, {self.width}), unit={self.unit}, ratio={self.ratio})"
+
+    def __call__(self, rng: random.Random | None = None) -> torch.Tensor:
+        """Draws one mask. (h, w) bool, True = masked, exactly `num_masked * unit**2` True.
+
+        Args:
+            rng: Source of randomness; None means the global `random` RNG.
+        """
+        rng = random if rng is None else rng
+        units = torch.zeros(self.num_units, dtype=torch.bool)  # (h / unit * w / unit,)
+        units[torch.tensor(rng.sample(range(self.num_units), self.num_masked), dtype=torch.long)] = True
+        units = units.view(self.height // self.unit, self.width // self.unit)
+        return units.repeat_interleave(self.unit, dim=0).repeat_interleave(self.unit, dim=1)  # (h, w)

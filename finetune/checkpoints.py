@@ -62,6 +62,11 @@ class Checkpoint:
     """How the file was unwrapped, e.g. "weights from the checkpoint's 'model' entry"."""
 
 
+# The first layer of each encoder `model.arch` builds: a ViT's (hybrid's) patch projection, T2T-ViT's token
+# projection, VT-ResNet's stem convolution; a checkpoint has one of them.
+STEM_KEYS = ("patch_embed.proj.weight", "tokens_to_token.project.weight", "conv1.weight")
+
+
 def read_checkpoint(path: str | Path, *, trust: bool = False, shapes_only: bool = False) -> Checkpoint:
     """Read any accepted checkpoint and detect its format.
 
@@ -86,9 +91,9 @@ def read_checkpoint(path: str | Path, *, trust: bool = False, shapes_only: bool 
         contents, notes = _load_file(weights_file, trust)
     state, unwrap_notes = _unwrap(contents, weights_file)
     notes += unwrap_notes
-    if "patch_embed.proj.weight" not in state:
+    if not any(key in state for key in STEM_KEYS):
         raise ValueError(
-            f"{weights_file} is not a ViT checkpoint: no patch_embed.proj.weight among its {len(state)} tensors "
+            f"{weights_file} is not a ViT checkpoint: none of {', '.join(STEM_KEYS)} among its {len(state)} tensors "
             f"(first keys: {', '.join(list(state)[:5])})"
         )
     fmt = "mimpipe-export" if manifest else detect_format(state)

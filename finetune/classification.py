@@ -61,9 +61,12 @@ class Classification(nn.Module):
 def _reroot(rule, prefix: str):
     """A timm group-matcher rule (regex, or list of (regex, ordinal)) matching the same names under `prefix`.
 
-    timm applies rules with `re.match`, so every alternative of `a|b` is anchored at the start of the name."""
+    timm applies rules with `re.match`, so every alternative of `a|b` is anchored at the start of the name; an
+    alternative's own `^` (T2T-ViT's `^cls_token|^tokens_to_token`) is dropped, as it could never match after the
+    prefix."""
     if isinstance(rule, str):
-        return f"^{re.escape(prefix)}(?:{rule.removeprefix('^')})"
+        alternatives = "|".join(part.removeprefix("^") for part in rule.split("|"))
+        return f"^{re.escape(prefix)}(?:{alternatives})"
     return [(_reroot(regex, prefix), ordinal) for regex, ordinal in rule]
 
 

@@ -15,6 +15,10 @@ ViT paper, or MAE's truncated normal). An encoder tensor that does not fit is an
 
 Shape legend: D embedding width, gh x gw patch grid, N = gh * gw, P prefix tokens with a position (cls, dist),
 ph x pw patch size, C input channels.
+
+A hybrid ViT (ResNet stem) is a timm VisionTransformer: its pos_embed is resized to the feature map's patch grid in
+the same way. T2T-ViT's fixed position table is rebuilt for the new token grid (it is never stored); VT-ResNet has
+no position embedding and takes any resolution.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from timm.layers import resample_abs_pos_embed, resample_patch_embed, to_2tuple
 from timm.models import VisionTransformer
 
 from core.models import sincos_pos_embed_2d
+from core.t2t_vit import T2TViT, soft_split_grid
+from core.vt import VTResNet
 from finetune.checkpoints import (
     Checkpoint,
     checkpoint_keys,
@@ -40,9 +46,9 @@ from finetune.checkpoints import (
 )
 
 # Parts of a timm ViT that pool and classify; a pretrained encoder provides them only with `keep_head`.
-HEAD_MODULES = ("head", "head_dist", "attn_pool")
-# Linear classifiers that `head_init` initialises when the checkpoint does not provide them.
-CLASSIFIERS = ("head", "head_dist")
+HEAD_MODULES = ("head", "head_dist", "attn_pool", "fc")
+# Linear classifiers that `head_init` initialises when the checkpoint does not provide them (VT-ResNet's is `fc`).
+CLASSIFIERS = ("head", "head_dist", "fc")
 PATCH_KERNEL = "patch_embed.proj.weight"
 HEAD_INITS = ("zero", "trunc_normal", "keep")
 POS_EMBED_RESIZES = {"interpolate": "bicubic interpolation", "sincos": "sin-cos regenerated"}
@@ -122,7 +128,7 @@ def load_encoder(
 
     Args:
         model: The fine-tuning timm ViT (any patch grid or patch size, any pooling, any number of classes; a
-            `VisionTransformerDistilled` too).
+            `VisionTransformerDistilled` or a hybrid too), or a T2TViT / VTResNet (core/t2t_vit.py, core/vt.py).
         path: Our export folder, an official MAE / DeiT checkpoint, or a timm state dict (.pth, .bin, .safetensors).
         head_init: For a classifier the checkpoint does not provide: "zero" weight and bias (ViT paper),
             "trunc_normal" weight with `head_init_std` and zero bias (MAE), or "keep" timm's init.
@@ -150,6 +156,8 @@ def load_encoder(
     if problems:
         raise ValueError(f"{ckpt.source} does not fit the model ({len(problems)} keys):\n  " + "\n  ".join(problems))
     _resize(model, encoder_state, source_grid, pos_embed_resize, report)
+    if isinstance(model, T2TViT):
+        report.notes += _t2t_grid_notes(model, ckpt.config)
 
     result = model.load_state_dict(encoder_state, strict=False)
     assert not result.unexpected_keys, result.unexpected_keys
@@ -184,8 +192,8 @@ def read_pooling_hint(path: str | Path, *, trust_checkpoint: bool = False) -> st
 
 
 def _check_options(model: VisionTransformer, head_init: str, head_init_std: float, pos_embed_resize: str) -> None:
-    if not isinstance(model, VisionTransformer):
-        raise ValueError(f"load_encoder needs a timm VisionTransformer, got {type(model).__name__}")
+    if not isinstance(model, VisionTransformer | T2TViT | VTResNet):
+        raise ValueError(f"load_encoder needs a timm VisionTransformer, T2TViT or VTResNet, got {type(model).__name__}")
     if head_init not in HEAD_INITS:
         raise ValueError(f"head_init must be one of {HEAD_INITS}, got {head_init!r}")
     if not head_init_std > 0:
@@ -246,7 +254,7 @@ def _fit(
     optional: set[str],
 ) -> tuple[list[str], tuple[int, int]]:
     """Every encoder key that does not fit (one line each), and the checkpoint's patch grid."""
-    problems, source_grid = [], tuple(model.patch_embed.grid_size)
+    problems, source_grid = [], token_grid(model)
     for key, tensor in encoder_state.items():
         if key not in model_state:
             problems.append(f"unexpected encoder key {key}: checkpoint {tuple(tensor.shape)}, not in the model")
@@ -276,7 +284,8 @@ def _source_grid(
     args = config.get("model_args", {})
     if "img_size" in args and "patch_size" in args:
         img, patch = (to_2tuple(args[k]) for k in ("img_size", "patch_size"))
-        candidates = [(img[0] // patch[0], img[1] // patch[1])]
+        ratio = to_2tuple(getattr(model.patch_embed, "feature_ratio", 1))  # a hybrid's backbone stride
+        candidates = [(img[0] // (ratio[0] * patch[0]), img[1] // (ratio[1] * patch[1]))]
     else:
         img = model.patch_embed.img_size
         kernel = tuple(encoder_state.get(PATCH_KERNEL, model.patch_embed.proj.weight).shape[-2:])  # (ph, pw)
@@ -293,6 +302,8 @@ def _resize(
     report: LoadReport,
 ) -> None:
     """Resample the patch kernel to the model's patch size and pos_embed to its grid, in place, recording both."""
+    if not isinstance(model, VisionTransformer):  # T2T rebuilds its fixed table for its grid; VT has no positions
+        return
     kernel = encoder_state.get(PATCH_KERNEL)  # (D, C, ph, pw)
     target_patch = tuple(model.patch_embed.proj.weight.shape[-2:])
     if kernel is not None and tuple(kernel.shape[-2:]) != target_patch:
@@ -337,6 +348,23 @@ def _init_heads(model: VisionTransformer, encoder_state: dict[str, torch.Tensor]
                 torch.nn.init.trunc_normal_(head.weight, std=std)
             head.bias.zero_()
     return "zero weight and bias" if how == "zero" else f"trunc_normal(std={std:g}), zero bias"
+
+
+def _t2t_grid_notes(model: T2TViT, config: dict) -> list[str]:
+    """T2T-ViT's position table is fixed and not stored: at another resolution it is rebuilt, not resampled."""
+    img = config.get("model_args", {}).get("img_size")
+    source = soft_split_grid(to_2tuple(img)) if img is not None else model.grid_size
+    if tuple(source) == tuple(model.grid_size):
+        return []
+    (gh, gw), (sh, sw) = model.grid_size, source
+    return [f"pos_embed: T2T's fixed sin-cos table rebuilt for the {gh}x{gw} token grid (checkpoint: {sh}x{sw})"]
+
+
+def token_grid(model: VisionTransformer | T2TViT | VTResNet) -> tuple[int, int] | None:
+    """The model's token grid (a ViT's or hybrid's patch grid, T2T's grid after the soft splits); None for VT."""
+    if isinstance(model, VisionTransformer):
+        return tuple(model.patch_embed.grid_size)
+    return tuple(model.grid_size) if isinstance(model, T2TViT) else None
 
 
 def _num_pos_prefix(model: VisionTransformer) -> int:

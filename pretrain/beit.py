@@ -23,7 +23,7 @@ from timm.layers import trunc_normal_
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from pretrain.encoder import check_encoder, forward_encoder, patch_positions
+from pretrain.encoder import check_encoder, embed_tokens, forward_encoder, patch_positions
 
 # The ViT paper's split of the selected patches: mask token, random other patch, unchanged.
 MIXED_SPLIT = (0.8, 0.1, 0.1)
@@ -39,7 +39,9 @@ class MaskedPatchPrediction(nn.Module):
     """Predict a target for every masked patch from an encoder that sees all patches.
 
     Args:
-        encoder: timm ViT with a class token, no register tokens and no head.
+        encoder: timm ViT (plain or hybrid) with a class token, no register tokens and no head, or a T2T-ViT
+            without head; the mask applies to its token grid (patches, the hybrid's feature-map patches, T2T's
+            tokens after the soft splits).
         target: A module from pretrain/targets.py: maps the batch to per-patch targets and says `num_classes`
             (0 = regression) and `num_outputs` (predictions per patch).
         corruption: "mask_token" or "mixed" (see the module docstring).
@@ -94,7 +96,7 @@ class MaskedPatchPrediction(nn.Module):
 
     def forward_encoder(self, imgs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) images and (B, L) selection -> (B, 1 + L, D) encoder output over all patches."""
-        x = self.corrupt(self.encoder.patch_embed(imgs), mask) + patch_positions(self.encoder)  # (B, L, D)
+        x = self.corrupt(embed_tokens(self.encoder, imgs), mask) + patch_positions(self.encoder)  # (B, L, D)
         return forward_encoder(self.encoder, x)
 
     def forward_loss(self, pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,6 +1,6 @@
-"""What the masked-image objectives share about their timm ViT encoder: the layout they rely on, and the pass from
-patch tokens the objective has already changed (MAE drops the masked ones, BEiT-style prediction corrupts them) to
-the encoder's output.
+"""What the masked-image objectives share about their encoder (a timm ViT, hybrid included, or a T2T-ViT): the
+layout they rely on, the token grid before the position embedding, and the pass from tokens the objective has
+already changed (MAE drops the masked ones, BEiT-style prediction and SimMIM corrupt them) to the encoder's output.
 
 Shape legend:
     B: batch    L': patch tokens the objective passes (all L patches, or the visible ones)    D: encoder width
@@ -10,11 +10,19 @@ import torch
 from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 
+from core.t2t_vit import T2TViT
 
-def check_encoder(encoder: VisionTransformer, objective: str, *, token_pool: bool = False) -> None:
+
+def check_encoder(encoder: VisionTransformer | T2TViT, objective: str, *, token_pool: bool = False) -> None:
     """Raises ValueError, naming `objective` and every problem, unless the encoder has a class token, no register
-    tokens, no head and a fixed-size learnable position embedding that covers the class token (`forward_encoder`
-    relies on all of them); with `token_pool`, global_pool must also be 'token'."""
+    tokens, no head and a fixed-size position embedding that covers the class token (`forward_encoder` relies on
+    all of them); with `token_pool`, global_pool must also be 'token'. A T2T-ViT always has that layout."""
+    if isinstance(encoder, T2TViT):
+        if encoder.num_classes:
+            raise ValueError(f"{objective} encoder: num_classes must be 0, got {encoder.num_classes}")
+        return
+    if not isinstance(encoder, VisionTransformer):
+        raise ValueError(f"{objective} needs a timm VisionTransformer or T2TViT encoder, got {type(encoder).__name__}")
     problems = []
     if not encoder.has_class_token:
         problems.append("class_token must be True")
@@ -30,6 +38,19 @@ def check_encoder(encoder: VisionTransformer, objective: str, *, token_pool: boo
         problems.append("dynamic_img_size must be False")
     if problems:
         raise ValueError(f"{objective} encoder: " + "; ".join(problems))
+
+
+def embed_tokens(encoder: VisionTransformer | T2TViT, imgs: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) images -> (B, L, D) grid tokens before the position embedding: the patch embedding (a hybrid's
+    ResNet + projection included) or T2T's tokens-to-token module."""
+    if isinstance(encoder, T2TViT):
+        return encoder.tokens_to_token(imgs)
+    return encoder.patch_embed(imgs)
+
+
+def token_grid(encoder: VisionTransformer | T2TViT) -> tuple[int, int]:
+    """(gh, gw): the grid `embed_tokens` returns, row-major."""
+    return tuple(encoder.grid_size if isinstance(encoder, T2TViT) else encoder.patch_embed.grid_size)
 
 
 def patch_positions(encoder: VisionTransformer) -> torch.Tensor:
@@ -49,6 +70,8 @@ def forward_encoder(encoder: VisionTransformer, x: torch.Tensor) -> torch.Tensor
     """
     cls_token = encoder.cls_token + encoder.pos_embed[:, : encoder.num_prefix_tokens]  # (1, 1, D)
     x = torch.cat([cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, 1 + L', D)
-    x = encoder.norm_pre(encoder.pos_drop(x))
-    x = checkpoint_seq(encoder.blocks, x) if encoder.grad_checkpointing else encoder.blocks(x)
+    x = encoder.pos_drop(x)
+    if isinstance(encoder, VisionTransformer):  # T2T-ViT has no pre-norm and no gradient checkpointing
+        x = encoder.norm_pre(x)
+    x = checkpoint_seq(encoder.blocks, x) if getattr(encoder, "grad_checkpointing", False) else encoder.blocks(x)
     return encoder.norm(x)

@@ -13,11 +13,12 @@ from torch import nn
 from core.config import Config
 from core.manifest import MANIFEST_NAME
 from core.models import build_model
-from core.sections import BEiTObjective, BlockwiseMask
-from data.masking import BlockwiseMaskGenerator, RandomMaskGenerator
+from core.sections import BEiTObjective, BlockwiseMask, SimMIMObjective
+from data.masking import BlockwiseMaskGenerator, RandomMaskGenerator, UnitMaskGenerator
 from data.transforms import TwoViewCropFlip, WithMask, pretrain_transform
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.mae import MAE
+from pretrain.simmim import SimMIM
 from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2, TokenizerCodes
 from pretrain.tokenizer import load_tokenizer
 
@@ -36,7 +37,7 @@ def _mae_builder(cfg: Config) -> Callable[[], nn.Module]:
 
 def _beit_builder(cfg: Config) -> Callable[[], nn.Module]:
     o: BEiTObjective = cfg.objective
-    patch = (cfg.model.patch_size, cfg.model.patch_size)
+    patch = (cfg.model.pixel_stride, cfg.model.pixel_stride)  # pixels per token (a hybrid's or T2T's too)
     kind = o.target.kind
     if kind == "mean_color_3bit":
         target = MeanColor3Bit(patch, cfg.data.mean, cfg.data.std)
@@ -47,6 +48,10 @@ def _beit_builder(cfg: Config) -> Callable[[], nn.Module]:
     else:
         target = TokenizerCodes(load_tokenizer(o.target.path), cfg.model.grid)
     return lambda: MaskedPatchPrediction(build_model(cfg), target, corruption=o.corruption, head=o.head)
+
+
+def _simmim_builder(cfg: Config) -> Callable[[], nn.Module]:
+    return lambda: SimMIM(build_model(cfg))
 
 
 def _mae_transform(cfg: Config):
@@ -71,8 +76,15 @@ def _beit_transform(cfg: Config):
     return WithMask(crop, mask_generator(cfg))
 
 
+def _simmim_transform(cfg: Config):
+    return WithMask(_mae_transform(cfg), mask_generator(cfg))
+
+
 def mask_generator(cfg: Config):
     """The recipe's patch-mask generator for the encoder's grid (called once per sample in the data workers)."""
+    if isinstance(cfg.objective, SimMIMObjective):
+        o = cfg.objective
+        return UnitMaskGenerator(cfg.model.grid, o.mask_patch_size, o.mask_ratio)
     m, grid = cfg.objective.mask, cfg.model.grid
     if isinstance(m, BlockwiseMask):
         return BlockwiseMaskGenerator(
@@ -94,8 +106,8 @@ def tokenizer_manifest(path: str | Path) -> dict:
     return json.loads(file.read_text())
 
 
-BUILDERS = {"mae": _mae_builder, "beit": _beit_builder}
-TRANSFORMS = {"mae": _mae_transform, "beit": _beit_transform}
+BUILDERS = {"mae": _mae_builder, "beit": _beit_builder, "simmim": _simmim_builder}
+TRANSFORMS = {"mae": _mae_transform, "beit": _beit_transform, "simmim": _simmim_transform}
 
 
 def objective_builder(cfg: Config) -> Callable[[], nn.Module]:

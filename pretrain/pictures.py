@@ -2,6 +2,7 @@
 masks at every picture step, so pictures compare across steps) and the tokenizer's code usage.
 
     MAE         train/reconstruction     original | masked | reconstruction | reconstruction + visible patches
+    SimMIM      train/reconstruction     original | masked | reconstruction | reconstruction + visible patches
     BEiT-style  train/masked_patches     input | masked | target | predicted (target and predicted where the target is
                                          an image: 3-bit colours, 4x4 colours, pixels; tokenizer codes show the mask)
 
@@ -112,16 +113,34 @@ def _picture_beit(cfg: Config, batch: dict, out: dict) -> torch.Tensor:
         out["pred"].float().cpu(),
         out["target"].cpu(),
         target_kind=target.kind,
-        patch_size=(cfg.model.patch_size, cfg.model.patch_size),
+        patch_size=(cfg.model.pixel_stride, cfg.model.pixel_stride),
         mean=cfg.data.mean,
         std=cfg.data.std,
         norm_pix=target.kind == "pixels_l2" and target.norm_pix,
     )
 
 
+def _simmim_view(cfg: Config):
+    return WithMask(_view(cfg), mask_generator(cfg))
+
+
+def _picture_simmim(cfg: Config, batch: dict, out: dict) -> torch.Tensor:
+    stride = (cfg.model.pixel_stride, cfg.model.pixel_stride)
+    return reconstruction_grid(
+        batch["image"].float(),
+        patchify(out["pred"].float(), stride),  # (B, L, P) as MAE's predictions
+        out["mask"],
+        patch_size=stride,
+        mean=cfg.data.mean,
+        std=cfg.data.std,
+        norm_pix_loss=False,
+    )
+
+
 PICTURES = {
     "mae": ("train/reconstruction", _picture_mae, _view),
     "beit": ("train/masked_patches", _picture_beit, _beit_view),
+    "simmim": ("train/reconstruction", _picture_simmim, _simmim_view),
 }
 """objective.kind -> (TensorBoard tag, picture of the fixed batch's output, the fixed batch's transform)."""
 

@@ -24,6 +24,7 @@ import safetensors
 import safetensors.torch
 import timm
 import torch
+from timm.layers import Attention
 from timm.models import VisionTransformer
 
 from core import timm_compat
@@ -151,11 +152,17 @@ def _check_rebuilds(model: VisionTransformer, export_dir: Path, tensors: dict[st
         if shapes.get(k) != tuple(t.shape)
     ]
     problems += [f"{k}: config builds it, model has no such tensor" for k in shapes if k not in tensors]
-    heads = [b.attn.num_heads for b in model.blocks], [b.attn.num_heads for b in rebuilt.blocks]
+    heads = _num_heads(model), _num_heads(rebuilt)
     if heads[0] != heads[1]:
-        problems.append(f"num_heads: config builds {heads[1][0]} vs model {heads[0][0]}")
+        built, have = (", ".join(map(str, sorted(set(h)))) for h in (heads[1], heads[0]))
+        problems.append(f"num_heads: config builds {built} vs model {have}")
     if problems:
         raise ValueError("model_args do not rebuild the exported model:\n  " + "\n  ".join(problems))
+
+
+def _num_heads(model: torch.nn.Module) -> list[int]:
+    """Heads of every timm attention layer (weights do not show them); [] for a model without any."""
+    return [m.num_heads for m in model.modules() if isinstance(m, Attention)]
 
 
 def fsync_path(path: Path) -> None:

@@ -12,7 +12,7 @@ from core.config import Config
 from core.engine.distributed import DistInfo
 from core.engine.export import export_model
 from core.engine.fp16 import fp32_master_weights
-from core.models import build_model, vit_model_args
+from core.models import build_model, model_args
 
 
 def gather_state_dict(engine, module: nn.Module, dist: DistInfo) -> dict[str, torch.Tensor] | None:
@@ -46,4 +46,4 @@ def export_state_dict(cfg: Config, state_dict: dict, out_dir: Path, *, num_class
         "interpolation": "bicubic",
         "crop_pct": cfg.data.eval_crop_pct,
     }
-    return export_model(model, out_dir, model_args=vit_model_args(model), manifest=manifest, data_config=data_config)
+    return export_model(model, out_dir, model_args=model_args(model), manifest=manifest, data_config=data_config)

@@ -191,7 +191,7 @@ def test_plain_checkpoint_into_distilled_model_initialises_dist_token(tmp_path):
         (b"not a checkpoint", "is not a readable PyTorch checkpoint"),
         ([torch.zeros(2)], "holds a list, not a state dict"),
         ({"model": {"weight": torch.zeros(2), "step": 3}}, "not a state dict of tensors"),
-        ({"fc.weight": torch.zeros(2, 2)}, "is not a ViT checkpoint: no patch_embed.proj.weight"),
+        ({"fc.weight": torch.zeros(2, 2)}, "is not a ViT checkpoint: none of patch_embed.proj.weight"),
     ],
 )
 def test_unreadable_files_name_the_file(tmp_path, content, expected):

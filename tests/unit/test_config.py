@@ -47,6 +47,12 @@ PUBLISHED = {
     "quickstart_tokenizer": (("tokenizer", "base", 224, 16, "vqvae"), 128, 2e-3, 1, (500, 25)),  # model unused
     "tokenizer_in1k": (("tokenizer", "base", 224, 16, "vqvae"), 1024, 1e-3, 1, (25023, 1252)),  # model unused
     "vit_mpp_vitb": (("pretrain", "base", 224, 16, "beit"), 4096, 2e-4, 1, (93836, 10000)),
+    "quickstart_hybrid": (("finetune", "tiny", 32, 2, "classification"), 64, 5e-3 * 64 / 256, 1, (2000, 100)),
+    "quickstart_t2t": (("finetune", "tiny", 64, 4, "classification"), 64, 5e-3 * 64 / 256, 1, (2000, 100)),
+    "quickstart_vt": (("finetune", "tiny", 32, 4, "classification"), 64, 5e-3 * 64 / 256, 1, (2000, 100)),
+    "quickstart_simmim": (("pretrain", "tiny", 28, 4, "simmim"), 256, 1.5e-3, 1, (700, 70)),
+    "t2t_vit14": (("finetune", "base", 224, 16, "classification"), 512, 5e-4, 1, (750684, 12512)),
+    "vt_resnet18": (("finetune", "base", 224, 16, "classification"), 256, 0.1, 1, (450411, 0)),
 }
 # Per recipe, the settings that tell its variant apart (objective target, probe mode, distillation, tokenizer grid).
 VARIANT = {
@@ -69,6 +75,12 @@ VARIANT = {
     "quickstart_tokenizer": {"objective.img_size": 28, "objective.downsample": 4, "objective.codebook_size": 256},
     "tokenizer_in1k": {"objective.img_size": 112, "objective.downsample": 8, "objective.codebook_size": 8192},
     "vit_mpp_vitb": {"objective.target.kind": "mean_color_3bit", "objective.corruption": "mixed"},
+    "quickstart_hybrid": {"model.arch": "vit_hybrid", "model.hybrid_backbone": "resnet_stem"},
+    "quickstart_t2t": {"model.arch": "t2t_vit", "model.t2t_variant": "t_14"},
+    "quickstart_vt": {"model.arch": "vt_resnet", "model.vt_variant": 18},
+    "quickstart_simmim": {"model.arch": "vit", "objective.mask_ratio": 0.6},
+    "t2t_vit14": {"model.arch": "t2t_vit", "model.t2t_variant": "14"},
+    "vt_resnet18": {"model.arch": "vt_resnet", "model.vt_variant": 18, "optim.kind": "sgd"},
 }
 
 
@@ -92,6 +104,22 @@ def test_each_published_recipe_loads_with_its_promised_size_objective_batch_and_
     assert (cfg.engine.zero_stage, cfg.engine.precision) == (zero_stage, "bf16")
     assert cfg.steps(cfg.data.samples_per_epoch) == steps
     assert {key: _get(cfg, key) for key in VARIANT[name]} == VARIANT[name]
+
+
+def test_encoder_recipes_build_the_arch_they_name():
+    expected = {
+        "quickstart_hybrid.yaml": ("vit_hybrid", (4, 4), "classification"),
+        "quickstart_t2t.yaml": ("t2t_vit", (4, 4), "classification"),
+        "quickstart_vt.yaml": ("vt_resnet", (2, 2), "classification"),
+        "quickstart_simmim.yaml": ("vit", (7, 7), "simmim"),
+        "t2t_vit14.yaml": ("t2t_vit", (14, 14), "classification"),
+        "vt_resnet18.yaml": ("vt_resnet", (14, 14), "classification"),
+    }
+    for name, (arch, grid, kind) in expected.items():
+        cfg = load_config(RECIPES[0].parent / name)
+        assert (cfg.model.arch, cfg.model.grid, cfg.objective.kind) == (arch, grid, kind), name
+    t2t = load_config(RECIPES[0].parent / "t2t_vit14.yaml")
+    assert t2t.peak_lr == 5e-4 and t2t.data.global_batch_size == 512 and t2t.schedule.epochs == 300
 
 
 def test_mae_vitl_is_the_paper_recipe():

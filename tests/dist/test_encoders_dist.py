@@ -1,0 +1,109 @@
+"""Recipes: the other encoders through ./launch.sh at ZeRO-2 on 2 gloo processes, 32 px synthetic images, tiny
+widths: SimMIM on the hybrid (ResNet stem) and on T2T-ViT_t-14 with their exports loaded back in timm, the hybrid
+fine-tuned from its SimMIM export at 48 px (pos_embed resized, layer decay), VT-ResNet-18 fine-tuned from scratch."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file
+
+import core.models  # noqa: F401  (registers t2t_vit_* and vt_resnet* with timm)
+from tests.launching import launch, losses, pretrain_recipe, write_recipe
+
+pytestmark = pytest.mark.dist
+
+TINY = {"embed_dim": 32, "depth": 2, "num_heads": 2, "img_size": 32}
+HYBRID = {**TINY, "arch": "vit_hybrid", "hybrid_backbone": "resnet_stem", "patch_size": 2}  # 4x4 grid
+T2T = {**TINY, "arch": "t2t_vit", "t2t_variant": "t_14"}  # 2x2 grid
+STEPS = 4
+
+
+def simmim_recipe(shards, run_dir, model: dict, mask_patch_size: int) -> dict:
+    recipe = pretrain_recipe(
+        shards,
+        run_dir,
+        model=model,
+        schedule={"steps": STEPS, "warmup_steps": 1},
+        checkpoint={"every_steps": STEPS},
+        logging={"every_steps": 1, "image_every_steps": 2},
+    )
+    recipe["objective"] = {"kind": "simmim", "mask_patch_size": mask_patch_size}  # replaces MAE's section
+    return recipe
+
+
+def finetune_recipe(shards, run_dir, model: dict) -> dict:
+    recipe = pretrain_recipe(
+        shards,
+        run_dir,
+        stage="finetune",
+        model=model,
+        optim={"base_lr": 1e-3, "layer_decay": 0.75},
+        schedule={"steps": STEPS, "warmup_steps": 1},
+        checkpoint={"every_steps": STEPS},
+        logging={"every_steps": 1, "image_every_steps": 0},
+    )
+    recipe["objective"] = {"kind": "classification"}
+    recipe["data"].update(val=str(shards["val"]), eval_batch_size_per_device=32, eval_crop_pct=1.0)
+    return recipe
+
+
+def run(recipe: dict, path) -> str:
+    proc = launch(write_recipe(path, recipe))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    steps = losses(path.parent / "run")
+    assert sorted(steps) == list(range(1, STEPS + 1)) and all(math.isfinite(v) for v in steps.values())
+    return proc.stdout
+
+
+def assert_export_matches_timm(export, monkeypatch, cls_name: str, img_size: int = 32) -> torch.nn.Module:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = timm.create_model(f"local-dir:{export}", pretrained=True).eval()
+    assert type(model).__name__ == cls_name
+    state = load_file(str(export / "model.safetensors"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert model(torch.randn(1, 3, img_size, img_size)).isfinite().all()
+    return model
+
+
+@pytest.fixture(scope="module")
+def hybrid_simmim(shards, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hybrid_simmim")
+    output = run(simmim_recipe(shards, tmp / "run", HYBRID, mask_patch_size=2), tmp / "recipe.yaml")
+    return tmp / "run", output
+
+
+def test_simmim_on_the_hybrid_exports_its_encoder(hybrid_simmim, monkeypatch):
+    run_dir, output = hybrid_simmim
+    assert json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 2
+    manifest = json.loads((run_dir / "export" / "mimpipe.json").read_text())
+    assert manifest["method"] == "simmim" and {"mask_token", "decoder.weight"} <= set(manifest["not_exported"])
+    model = assert_export_matches_timm(run_dir / "export", monkeypatch, "VisionTransformer")
+    assert model.patch_embed.grid_size == (4, 4) and type(model.patch_embed).__name__ == "HybridEmbed"
+
+
+def test_hybrid_finetunes_from_its_simmim_export_at_48_px(hybrid_simmim, shards, tmp_path):
+    pretrain_dir, _ = hybrid_simmim
+    model = {**HYBRID, "img_size": 48, "init": str(pretrain_dir / "export")}
+    run(finetune_recipe(shards, tmp_path / "run", model), tmp_path / "recipe.yaml")
+    report = json.loads((tmp_path / "run" / "load_report.json").read_text())
+    assert report["resized"] == [["pos_embed", [4, 4], [6, 6]]]
+    assert report["head_init"] == "zero weight and bias"
+
+
+def test_simmim_on_t2t_exports_its_encoder(shards, tmp_path, monkeypatch):
+    run(simmim_recipe(shards, tmp_path / "run", T2T, mask_patch_size=1), tmp_path / "recipe.yaml")
+    assert json.loads((tmp_path / "run" / "export" / "mimpipe.json").read_text())["method"] == "simmim"
+    model = assert_export_matches_timm(tmp_path / "run" / "export", monkeypatch, "T2TViT")
+    assert model.grid_size == (2, 2) and model.embed_dim == 32
+
+
+def test_vt_resnet_finetunes_from_scratch(shards, tmp_path, monkeypatch):
+    model = {"arch": "vt_resnet", "vt_variant": 18, "embed_dim": 64, "img_size": 32}
+    run(finetune_recipe(shards, tmp_path / "run", model), tmp_path / "recipe.yaml")
+    loaded = assert_export_matches_timm(tmp_path / "run" / "export", monkeypatch, "VTResNet")
+    assert loaded.num_classes == 4 and loaded.num_features == 64
