@@ -21,11 +21,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from timm.layers import Mlp, to_2tuple, trunc_normal_
-from timm.models import build_model_with_cfg, register_model
+from timm.models import build_model_with_cfg
 from timm.models.vision_transformer import Block
 from torch import nn
 
 from core.models import sincos_pos_embed_2d
+from core.registry import register_variants
 
 # (kernel, stride, padding) of the three soft splits; at 224 px the grid goes 56 -> 28 -> 14 (1/16 of the image).
 SOFT_SPLITS = ((7, 4, 2), (3, 2, 1), (3, 2, 1))
@@ -312,31 +313,4 @@ def _create(variant: str, pretrained: bool, **kwargs) -> T2TViT:
     )
 
 
-@register_model
-def t2t_vit_14(pretrained: bool = False, **kwargs) -> T2TViT:
-    return _create("t2t_vit_14", pretrained, **kwargs)
-
-
-@register_model
-def t2t_vit_19(pretrained: bool = False, **kwargs) -> T2TViT:
-    return _create("t2t_vit_19", pretrained, **kwargs)
-
-
-@register_model
-def t2t_vit_24(pretrained: bool = False, **kwargs) -> T2TViT:
-    return _create("t2t_vit_24", pretrained, **kwargs)
-
-
-@register_model
-def t2t_vit_t_14(pretrained: bool = False, **kwargs) -> T2TViT:
-    return _create("t2t_vit_t_14", pretrained, **kwargs)
-
-
-@register_model
-def t2t_vit_t_19(pretrained: bool = False, **kwargs) -> T2TViT:
-    return _create("t2t_vit_t_19", pretrained, **kwargs)
-
-
-@register_model
-def t2t_vit_t_24(pretrained: bool = False, **kwargs) -> T2TViT:
-    return _create("t2t_vit_t_24", pretrained, **kwargs)
+register_variants(__name__, VARIANTS, _create)

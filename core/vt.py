@@ -23,9 +23,11 @@ Shape legend:
 import torch
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
-from timm.models import build_model_with_cfg, register_model
+from timm.models import build_model_with_cfg
 from timm.models.resnet import BasicBlock, Bottleneck, make_blocks
 from torch import nn
+
+from core.registry import register_variants
 
 
 def _projection(in_dim: int, out_dim: int) -> nn.Module:
@@ -244,21 +246,4 @@ def _create(variant: str, pretrained: bool, **kwargs) -> VTResNet:
     return build_model_with_cfg(VTResNet, variant, pretrained, **{**VARIANTS[variant], **kwargs})
 
 
-@register_model
-def vt_resnet18(pretrained: bool = False, **kwargs) -> VTResNet:
-    return _create("vt_resnet18", pretrained, **kwargs)
-
-
-@register_model
-def vt_resnet34(pretrained: bool = False, **kwargs) -> VTResNet:
-    return _create("vt_resnet34", pretrained, **kwargs)
-
-
-@register_model
-def vt_resnet50(pretrained: bool = False, **kwargs) -> VTResNet:
-    return _create("vt_resnet50", pretrained, **kwargs)
-
-
-@register_model
-def vt_resnet101(pretrained: bool = False, **kwargs) -> VTResNet:
-    return _create("vt_resnet101", pretrained, **kwargs)
+register_variants(__name__, VARIANTS, _create)
