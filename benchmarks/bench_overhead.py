@@ -16,8 +16,8 @@ reverse order on odd rounds. `--before REV` runs the engine cases a second time 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import contextlib
+import cProfile
 import datetime
 import io
 import json

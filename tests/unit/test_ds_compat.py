@@ -66,6 +66,7 @@ def test_check_runs_every_patch_and_names_are_known():
         "zero_init_apply",
         "fp32_master_shared",
         "skip_identity_grad_passes",
+        "single_rank_no_allreduce",
         "zero0_fp16_loss_scale",
         "zero0_fp16_masters",
         "checkpoint_files",
@@ -81,6 +82,7 @@ MISSING = [
     ("fp32_master_shared", STAGE3, "_create_fp32_partitions"),
     ("skip_identity_grad_passes", STAGE3, "_get_norm_groups"),
     ("skip_identity_grad_passes", STAGE3, "unscale_and_clip_grads"),
+    ("single_rank_no_allreduce", ENGINE, "_backward_epilogue"),
     ("zero0_fp16_loss_scale", "deepspeed.runtime.base_optimizer", "ZeROOptimizer"),
     ("zero0_fp16_loss_scale", "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer", "loss_scale"),
     ("zero0_fp16_masters", UNFUSED, "state_dict"),
@@ -191,6 +193,29 @@ def test_identity_grad_passes_are_dropped_only_without_clipping_or_loss_scaling(
         kept = zero3(**settings)
         assert not ds_compat.skip_identity_grad_passes(kept)
         assert not hasattr(kept, "_get_norm_groups")
+
+
+def test_single_rank_allreduce_is_dropped_only_at_zero0_on_one_rank():
+    def engine(stage: int, world_size: int):  # a stand-in engine with what the patch reads
+        return SimpleNamespace(
+            zero_optimization_stage=lambda: stage, dp_world_size=world_size, enable_backward_allreduce=True
+        )
+
+    alone = engine(0, 1)
+    assert ds_compat.skip_single_rank_allreduce(alone) and not alone.enable_backward_allreduce
+    for stage, world_size in ((0, 2), (1, 1), (2, 1), (3, 1)):  # ZeRO-1/2/3 partition gradients in that reduction
+        kept = engine(stage, world_size)
+        assert not ds_compat.skip_single_rank_allreduce(kept) and kept.enable_backward_allreduce
+
+
+def test_a_backward_that_reduces_without_the_flag_fails(monkeypatch):
+    """A release whose backward reduced gradients whatever `enable_backward_allreduce` says would ignore the patch."""
+
+    def backward_epilogue(self):
+        self.allreduce_gradients()
+
+    monkeypatch.setattr(_owner(ENGINE), "_backward_epilogue", backward_epilogue)
+    _fails("single_rank_no_allreduce", "_backward_epilogue no longer uses enable_backward_allreduce")
 
 
 def test_zero3_parameter_attributes_on_plain_and_stand_in_parameters():
