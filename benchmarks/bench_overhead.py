@@ -106,7 +106,7 @@ def make_batch(cfg, objective: str) -> dict:
     return out
 
 
-def run_plain(cfg, spec: dict, batch: dict, marks: list[float]) -> None:
+def run_plain(cfg, spec: dict, batch: dict, marks: list[tuple[float, float]]) -> None:
     """A plain timm training loop: timm's layer-decay / weight-decay groups, torch's fused AdamW, the lr set on every
     group each step (as timm's schedulers do), bf16 autocast forward, backward, step, zero_grad."""
     import torch
@@ -128,7 +128,7 @@ def run_plain(cfg, spec: dict, batch: dict, marks: list[float]) -> None:
     optimizer = torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=o.betas, eps=o.eps, fused=True)
     total = cfg.schedule.steps
     for step in range(1, spec["warmup"] + spec["steps"] + 1):
-        marks.append(time.perf_counter())
+        marks.append((time.perf_counter(), time.process_time()))
         lr = lr_at(
             step, peak_lr=cfg.peak_lr, min_lr=o.min_lr, warmup_steps=cfg.schedule.warmup_steps, total_steps=total
         )
@@ -139,14 +139,14 @@ def run_plain(cfg, spec: dict, batch: dict, marks: list[float]) -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    marks.append(time.perf_counter())
+    marks.append((time.perf_counter(), time.process_time()))
 
 
 class MeasurementDone(Exception):
     """Raised by the benchmark's batch stream once every timed step has been drawn."""
 
 
-def run_engine(cfg, spec: dict, batch: dict, marks: list[float]) -> None:
+def run_engine(cfg, spec: dict, batch: dict, marks: list[tuple[float, float]]) -> None:
     """The real loop (`core.engine.loop.train`) on the real DeepSpeed engine; a mark at every batch draw."""
     import torch
 
@@ -163,9 +163,9 @@ def run_engine(cfg, spec: dict, batch: dict, marks: list[float]) -> None:
 
     def batches():
         for _ in range(spec["warmup"] + spec["steps"]):
-            marks.append(time.perf_counter())
+            marks.append((time.perf_counter(), time.process_time()))
             yield batch
-        marks.append(time.perf_counter())
+        marks.append((time.perf_counter(), time.process_time()))
         raise MeasurementDone  # before the loop's last step, which would also write a checkpoint
 
     total = cfg.schedule.steps
@@ -184,13 +184,13 @@ def worker(spec_json: str) -> None:
     spec = json.loads(spec_json)
     cfg = build_config(spec)
     batch = make_batch(cfg, spec["objective"])
-    marks: list[float] = []
+    marks: list[tuple[float, float]] = []
     run = run_plain if spec["zero_stage"] is None else run_engine
     profiler = cProfile.Profile() if spec["profile"] else None
     with profiler or contextlib.nullcontext():
         run(cfg, spec, batch, marks)
-    steps = [b - a for a, b in zip(marks, marks[1:], strict=False)][spec["warmup"] :]
-    result = {"step": steps}
+    pairs = list(zip(marks, marks[1:], strict=False))[spec["warmup"] :]
+    result = {"step": [b[0] - a[0] for a, b in pairs], "cpu": [b[1] - a[1] for a, b in pairs]}
     if profiler is not None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats(os.environ.get("BENCH_SORT", "tottime")).print_stats(
@@ -253,35 +253,40 @@ def run_case(case: Case, args: argparse.Namespace, scratch: Path, trees: dict[st
     return json.loads(Path(spec["out"]).read_text())
 
 
-def run_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, list[list[float]]]:
+def run_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, list[dict]]:
     """Every case once per round, odd rounds in reverse order, so that drift in machine load evens out."""
-    results: dict[Case, list[list[float]]] = {case: [] for case in cases}
+    results: dict[Case, list[dict]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory(prefix="bench_overhead_") as scratch:
         trees = {args.before: extract_tree(args.before, Path(scratch))} if args.before else {}
         for r in range(args.rounds):
             for case in cases if r % 2 == 0 else cases[::-1]:
-                steps = run_case(case, args, Path(scratch), trees, profile=False)["step"]
-                results[case].append(steps)
+                run = run_case(case, args, Path(scratch), trees, profile=False)
+                results[case].append(run)
                 print(f"[bench] round {r + 1}/{args.rounds} {TITLES[case.objective]}, {case.runner}: "
-                      f"{statistics.median(steps) * 1e3:.1f} ms/step", flush=True)  # fmt: skip
+                      f"{statistics.median(run['step']) * 1e3:.1f} ms/step, "
+                      f"{statistics.median(run['cpu']) * 1e3:.1f} CPU ms/step", flush=True)  # fmt: skip
     return results
 
 
-def render_table(cases: list[Case], results: dict[Case, list[list[float]]]) -> list[str]:
-    """Markdown rows; `vs plain` is the median step over the plain loop's median step."""
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(v for run in runs for v in run[key])
+
+
+def render_table(cases: list[Case], results: dict[Case, list[dict]]) -> list[str]:
+    """Markdown rows; the `vs plain` columns divide by the plain loop's median of the same objective."""
     lines = [
-        "| objective | runner | ms/step median | images/s | vs plain | per-round medians (ms) |",
-        "|---|---|---:|---:|---:|---|",
+        "| objective | runner | ms/step median | images/s | vs plain | CPU ms/step median | CPU vs plain "
+        "| per-round medians (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for case in cases:
-        runs = results[case]
-        median = statistics.median(v for run in runs for v in run)
-        plain = statistics.median(v for run in results[Case(case.objective, None)] for v in run)
+        runs, plain = results[case], results[Case(case.objective, None)]
+        wall, cpu = _median(runs, "step"), _median(runs, "cpu")
         batch = 64 if case.objective == "ft" else 256
-        rounds = " / ".join(f"{statistics.median(run) * 1e3:.1f}" for run in runs)
+        rounds = " / ".join(f"{statistics.median(run['step']) * 1e3:.1f}" for run in runs)
         lines.append(
-            f"| {TITLES[case.objective]} | {case.runner} | {median * 1e3:.1f} | {batch / median:.0f} "
-            f"| {median / plain:.3f} | {rounds} |"
+            f"| {TITLES[case.objective]} | {case.runner} | {wall * 1e3:.1f} | {batch / wall:.0f} "
+            f"| {wall / _median(plain, 'step'):.3f} | {cpu * 1e3:.1f} | {cpu / _median(plain, 'cpu'):.3f} | {rounds} |"
         )
     return lines
 
