@@ -208,6 +208,36 @@ def test_single_rank_allreduce_is_dropped_only_at_zero0_on_one_rank():
         assert not ds_compat.skip_single_rank_allreduce(kept) and kept.enable_backward_allreduce
 
 
+def test_one_rank_zero0_trains_the_same_without_the_allreduce(tmp_path, monkeypatch):
+    """Dropping the identity all-reduce changes no bit of a one-rank ZeRO-0 run: four steps with and without it."""
+    monkeypatch.setenv("LOCAL_RANK", "0")  # what torchrun sets; DeepSpeed asserts it
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        weights = {}
+        for skip in (True, False):
+            if not skip:
+                monkeypatch.setattr(ds_compat, "skip_single_rank_allreduce", lambda engine: False)
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+            cfg = load_config(None, [f"run_dir={tmp_path}", "engine.zero_stage=0", "data.global_batch_size=4"])
+            dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+            engine, optimizer = parallelize(model, cfg=cfg, dist=dist, run_dir=tmp_path)
+            assert engine.enable_backward_allreduce is not skip
+            for _ in range(4):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = engine(torch.randn(4, 8)).float().pow(2).mean()
+                engine.backward(loss)
+                with optimizer.guard(skip=False, measure=False):
+                    engine.step()
+            weights[skip] = [p.detach().clone() for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False], strict=True))
+        assert not torch.equal(weights[True][0], torch.nn.Linear(8, 16).weight)  # it did train
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_a_backward_that_reduces_without_the_flag_fails(monkeypatch):
     """A release whose backward reduced gradients whatever `enable_backward_allreduce` says would ignore the patch."""
 
