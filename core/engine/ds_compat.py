@@ -13,6 +13,7 @@ Patches (`PATCHES`, by name):
     zero_init_apply            deepspeed.zero.Init gathers a module's own weights around `Module.apply`
     fp32_master_shared         Stage3._create_fp32_partitions, patched while the optimizer is built
     skip_identity_grad_passes  Stage3._get_norm_groups / unscale_and_clip_grads, replaced on one optimizer
+    single_rank_no_allreduce   DeepSpeedEngine.enable_backward_allreduce, cleared on a one-rank ZeRO-0 engine
     zero0_fp16_loss_scale      engine.backward leaves the loss unscaled at ZeRO-0 fp16; the wrappers' loss_scale
     zero0_fp16_masters         the ZeRO-0 fp16 optimizer's fp16_groups / fp32_groups, in memory and in checkpoints
     fp16_skipped_steps         DeepSpeedEngine.skipped_steps counts the fp16 steps an overflow skipped, checkpointed
@@ -274,6 +275,36 @@ def _check_skip_identity_grad_passes(patch: str) -> None:
     _attr(patch, stage3, "loss_scale")
 
 
+# single_rank_no_allreduce
+
+
+def skip_single_rank_allreduce(engine) -> bool:
+    """Drop the gradient all-reduce from the backward passes of `engine` when it is a ZeRO-0 engine of one rank.
+
+    At ZeRO-0 DeepSpeed's backward flattens every gradient into buckets, divides them by the world size, all-reduces
+    them and copies them back into the parameters' `.grad`: with one rank that is the identity, paid on every step
+    (three passes over the gradients and a collective; on the quickstart model it is a fixed cost per step that the
+    arithmetic does not amortise). ZeRO-1/2 must keep it: their reduction is also what moves the gradients into their
+    partitions.
+
+    Returns:
+        Whether it was dropped: only at ZeRO-0 with a data-parallel world size of 1.
+    """
+    if engine.zero_optimization_stage() != 0 or engine.dp_world_size != 1:
+        return False
+    engine.enable_backward_allreduce = False
+    return True
+
+
+def _check_single_rank_no_allreduce(patch: str) -> None:
+    engine = _engine_class(patch)
+    # The flag must be the one test in front of the reduction, after backward and at a manual accumulation boundary.
+    _method(patch, engine, "_backward_epilogue", uses=("enable_backward_allreduce", "allreduce_gradients"))
+    _method(patch, engine, "step", uses=("enable_backward_allreduce", "allreduce_gradients"))
+    _method(patch, engine, "__init__", uses=("enable_backward_allreduce",))
+    _method(patch, engine, "_configure_distributed_model", uses=("dp_world_size",))
+
+
 # zero0_fp16_loss_scale: at ZeRO-0, DeepSpeed 0.19's `engine.backward` does not multiply the loss by the loss scale
 # (only ZeRO optimizers get it; deepspeedai/DeepSpeed PR #8393), yet its fp16 optimizer divides the gradients by that
 # scale before the update. The loop scales the loss itself there; a release that fixes it would scale twice.
@@ -397,6 +428,7 @@ PATCHES: dict[str, Patch] = {
         Patch("zero_init_apply", _check_zero_init_apply),
         Patch("fp32_master_shared", _check_fp32_master_shared),
         Patch("skip_identity_grad_passes", _check_skip_identity_grad_passes),
+        Patch("single_rank_no_allreduce", _check_single_rank_no_allreduce),
         Patch("zero0_fp16_loss_scale", _check_zero0_fp16_loss_scale),
         Patch("zero0_fp16_masters", _check_zero0_fp16_masters),
         Patch("fp16_skipped_steps", _check_fp16_skipped_steps),

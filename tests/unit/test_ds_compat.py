@@ -62,6 +62,7 @@ def test_check_runs_every_patch_and_names_are_known():
         "zero_init_apply",
         "fp32_master_shared",
         "skip_identity_grad_passes",
+        "single_rank_no_allreduce",
         "zero0_fp16_loss_scale",
         "zero0_fp16_masters",
         "fp16_skipped_steps",
@@ -78,6 +79,7 @@ MISSING = [
     ("fp32_master_shared", STAGE3, "_create_fp32_partitions"),
     ("skip_identity_grad_passes", STAGE3, "_get_norm_groups"),
     ("skip_identity_grad_passes", STAGE3, "unscale_and_clip_grads"),
+    ("single_rank_no_allreduce", ENGINE, "_backward_epilogue"),
     ("zero0_fp16_loss_scale", "deepspeed.runtime.base_optimizer", "ZeROOptimizer"),
     ("zero0_fp16_loss_scale", "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer", "loss_scale"),
     ("zero0_fp16_masters", UNFUSED, "state_dict"),
@@ -201,6 +203,59 @@ def test_identity_grad_passes_are_dropped_only_without_clipping_or_loss_scaling(
         kept = zero3(**settings)
         assert not ds_compat.skip_identity_grad_passes(kept)
         assert not hasattr(kept, "_get_norm_groups")
+
+
+def test_single_rank_allreduce_is_dropped_only_at_zero0_on_one_rank():
+    def engine(stage: int, world_size: int):  # a stand-in engine with what the patch reads
+        return SimpleNamespace(
+            zero_optimization_stage=lambda: stage, dp_world_size=world_size, enable_backward_allreduce=True
+        )
+
+    alone = engine(0, 1)
+    assert ds_compat.skip_single_rank_allreduce(alone) and not alone.enable_backward_allreduce
+    for stage, world_size in ((0, 2), (1, 1), (2, 1), (3, 1)):  # ZeRO-1/2/3 partition gradients in that reduction
+        kept = engine(stage, world_size)
+        assert not ds_compat.skip_single_rank_allreduce(kept) and kept.enable_backward_allreduce
+
+
+def test_one_rank_zero0_trains_the_same_without_the_allreduce(tmp_path, monkeypatch):
+    """Dropping the identity all-reduce changes no bit of a one-rank ZeRO-0 run: four steps with and without it."""
+    monkeypatch.setenv("LOCAL_RANK", "0")  # what torchrun sets; DeepSpeed asserts it
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        weights = {}
+        for skip in (True, False):
+            if not skip:
+                monkeypatch.setattr(ds_compat, "skip_single_rank_allreduce", lambda engine: False)
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+            cfg = load_config(None, [f"run_dir={tmp_path}", "engine.zero_stage=0", "data.global_batch_size=4"])
+            dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+            engine, optimizer = parallelize(model, cfg=cfg, dist=dist, run_dir=tmp_path)
+            assert engine.enable_backward_allreduce is not skip
+            for _ in range(4):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = engine(torch.randn(4, 8)).float().pow(2).mean()
+                engine.backward(loss)
+                with optimizer.guard(skip=False, measure=False):
+                    engine.step()
+            weights[skip] = [p.detach().clone() for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False], strict=True))
+        assert not torch.equal(weights[True][0], torch.nn.Linear(8, 16).weight)  # it did train
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_backward_that_reduces_without_the_flag_fails(monkeypatch):
+    """A release whose backward reduced gradients whatever `enable_backward_allreduce` says would ignore the patch."""
+
+    def backward_epilogue(self):
+        self.allreduce_gradients()
+
+    monkeypatch.setattr(_owner(ENGINE), "_backward_epilogue", backward_epilogue)
+    _fails("single_rank_no_allreduce", "_backward_epilogue no longer uses enable_backward_allreduce")
 
 
 def test_zero3_parameter_attributes_on_plain_and_stand_in_parameters():
