@@ -70,7 +70,8 @@ def count_step_flops(module: nn.Module, batch: dict, *, precision: str, device: 
     The copy leaves `module`'s parameters and gradients alone and has no hooks (DeepSpeed's would reduce its
     gradients); the Python, NumPy and torch RNGs are restored, so the run draws the same masks and drop paths as
     without counting. torch's counter knows the CUDA attention kernels but not the CPU fused one, so on CPU the copy
-    uses timm's explicit matmul-softmax attention, which does the same matmuls.
+    uses timm's explicit matmul-softmax attention, which does the same matmuls. Activation checkpointing is off in
+    the copy: its recomputation is work the hardware does, not the model's FLOPs.
     """
     from core.engine.loop import autocast_context  # the loop imports this module
 
@@ -81,6 +82,9 @@ def count_step_flops(module: nn.Module, batch: dict, *, precision: str, device: 
     twin = copy.deepcopy(module, memo)
     if device.type == "cpu":
         set_attention(twin, "math", device)
+    for sub in twin.modules():  # model FLOPs: activation checkpointing's recomputed forward is not the model's work
+        if getattr(sub, "grad_checkpointing", False):
+            sub.grad_checkpointing = False
     try:
         with FlopCounterMode(display=False) as counter:
             with autocast_context(precision, device):

@@ -55,6 +55,14 @@ def test_cpu_sdpa_is_counted_like_the_explicit_attention():
     assert all(block.attn.fused_attn for block in objective.model.blocks)  # the run's own choice is kept
 
 
+def test_activation_checkpointing_recomputation_is_not_counted():
+    objective, batch = _step()
+    plain = count_step_flops(objective, batch, precision="bf16", device=CPU)
+    objective.model.set_grad_checkpointing(True)
+    assert count_step_flops(objective, batch, precision="bf16", device=CPU) == plain
+    assert objective.model.grad_checkpointing
+
+
 def test_counting_leaves_parameters_grads_hooks_and_rngs_alone():
     objective, batch = _step()
     objective(batch)["loss"].backward()  # the run's gradients, which counting must not add to
