@@ -113,7 +113,8 @@ def measure_cpu_tflops(precision: str, size: int = 1024, seconds: float = 1.0) -
     closest to what the hardware can do.
     """
     dtype = _MATMUL_DTYPES[precision]
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    gen = torch.Generator().manual_seed(0)  # its own generator: the run's RNG draws stay as without measuring
+    a, b = (torch.randn(size, size, generator=gen).to(dtype) for _ in range(2))
     t0 = time.perf_counter()
     a @ b  # warm-up, and a first timing to size the trials
     reps = max(1, int(0.1 / max(time.perf_counter() - t0, 1e-6)))

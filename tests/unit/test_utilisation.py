@@ -86,8 +86,10 @@ def test_cpu_peak_is_measured_and_a_configured_peak_is_used_as_given():
     assert 0 < measure_cpu_tflops("bf16", size=256, seconds=0.1) < 1000
     assert 0 < measure_cpu_tflops("fp32", size=256, seconds=0.1) < 1000
     assert device_peak(2.5, "bf16", CPU) == (2.5, "engine.peak_tflops")
+    state = torch.get_rng_state()
     peak, source = device_peak(None, "fp32", CPU)
     assert peak > 0 and source.startswith("fp32 1024x1024 matmul measured")
+    assert torch.equal(torch.get_rng_state(), state)  # the run's masks and drop paths stay as without measuring
 
 
 @pytest.mark.parametrize(
