@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from core.config import Config
+from core.engine.distributed import DistInfo
 from core.engine.setup import set_attention
-from core.engine.utilisation import Utilisation, count_step_flops, device_peak, gpu_peak_tflops, measure_cpu_tflops
+from core.engine.utilisation import (
+    Utilisation,
+    count_step_flops,
+    device_peak,
+    gpu_peak_tflops,
+    measure_cpu_tflops,
+    start_meter,
+)
+from core.logging import MetricsLogger
 from finetune.classification import Classification
 from tests.unit.conftest import tiny_vit
 
@@ -114,3 +125,15 @@ def test_mfu_is_the_step_flops_rate_over_the_peak():
     # 4 ranks, 1 TFLOP per rank per step of 256 samples, 512 samples/s = 2 steps/s -> 2 TFLOP/s of 10 TFLOP/s
     meter = Utilisation(flops_per_step=1e12, samples_per_step=256, peak_flops=10e12)
     assert meter.mfu(512.0) == pytest.approx(0.2)
+
+
+def test_start_meter_puts_the_first_batch_back_and_counts_accumulation(capsys):
+    objective, batch = _step()
+    cfg = Config.model_validate({"data": {"global_batch_size": 32}, "engine": {"grad_accum_steps": 2}})
+    cfg.engine.peak_tflops = 0.5
+    run = SimpleNamespace(cfg=cfg, dist=DistInfo(0, 0, 2, CPU), logger=MetricsLogger(None, enabled=False))
+    stream = iter([batch, {"image": batch["image"] + 1, "label": batch["label"]}])
+    meter, batches = start_meter(run, objective, stream)
+    assert next(batches) is batch and torch.equal(next(batches)["image"], batch["image"] + 1)
+    one_micro_batch = count_step_flops(objective, batch, precision="bf16", device=CPU)
+    assert meter == Utilisation(2 * one_micro_batch, 32, 0.5e12)
