@@ -117,6 +117,7 @@ _CONSOLE_KEYS = (
     "train/loss",
     "train/lr",
     "perf/images_per_sec",
+    "perf/mfu",
     "train/acc1",
     "train/mlm_acc",
     "train/codes_used",

@@ -23,6 +23,7 @@ from core.engine.checkpoint import RNGState, save_checkpoint
 from core.engine.distributed import all_reduce
 from core.engine.ds_compat import loss_scale, scales_loss_itself, skipped_steps
 from core.engine.schedule import lr_at
+from core.engine.utilisation import start_meter
 
 if TYPE_CHECKING:
     from core.engine.run import StageRun
@@ -143,6 +144,7 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
     window = _Window(device)
     scale_loss = scales_loss_itself(engine)
     first_step = state.step + 1
+    meter, batches = start_meter(run, engine.module, batches)
     for step in range(first_step, total_steps + 1):
         lr = lr_at(
             step, peak_lr=cfg.peak_lr, min_lr=cfg.optim.min_lr, warmup_steps=warmup_steps, total_steps=total_steps
@@ -181,6 +183,8 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
                 precision=precision,
                 state=state,
             )
+            if meter is not None:
+                values["perf/mfu"] = meter.mfu(values["perf/images_per_sec"])
             logger.scalars(step, values)
             logger.progress(step, values)
         if not stop:  # a preempted run has seconds left (torchrun's and SLURM's grace): only the checkpoint counts

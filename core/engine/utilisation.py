@@ -1,0 +1,176 @@
+"""Model FLOPs utilisation (`perf/mfu`): the model FLOPs of a training step, counted once at start-up, times steps
+per second, over the peak of the devices in use.
+
+The FLOPs are counted by torch's `FlopCounterMode` on a copy of the objective running forward and backward on one
+real micro-batch, so the count follows the model, the objective (MAE's dropped tokens, a decoder, a head) and the
+attention kernel, and training itself is untouched (the RNGs are restored afterwards). The peak per device is
+`engine.peak_tflops`, or the datasheet figure of a known GPU, or a matmul measured on the CPU at start-up.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from core.engine.checkpoint import RNGState
+from core.engine.ds_compat import is_partitioned
+from core.engine.setup import set_attention
+
+if TYPE_CHECKING:
+    from core.engine.run import StageRun
+
+# Dense (no sparsity) bf16 tensor-core TFLOP/s per GPU, from NVIDIA's datasheets: H100 SXM / PCIe and H200
+# ("NVIDIA H100 Tensor Core GPU" and "NVIDIA H200" datasheets), A100 ("NVIDIA A100 Tensor Core GPU"), L4, A10, and
+# V100 (no bf16: its fp16 tensor-core figure). fp16 peaks equal these; first matching pattern wins.
+GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    (r"H100.*PCIe", 756.0),
+    (r"H100.*(SXM|HBM3)", 989.0),
+    (r"H200", 989.0),
+    (r"A100", 312.0),
+    (r"\bA10\b", 125.0),
+    (r"\bL4\b", 121.0),
+    (r"V100", 125.0),
+)
+
+_MATMUL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Utilisation:
+    """Turns throughput into model FLOPs utilisation."""
+
+    flops_per_step: float
+    """Model FLOPs of one optimizer step on one rank: forward + backward of a micro-batch x accumulation steps."""
+    samples_per_step: int
+    """Samples of one optimizer step over all ranks (the global batch)."""
+    peak_flops: float
+    """Peak FLOP/s of one device."""
+
+    def mfu(self, images_per_sec: float) -> float:
+        """Fraction of the devices' peak the step's model FLOPs reach at `images_per_sec` (all ranks together).
+
+        Every rank does `flops_per_step` per step, so the world's FLOPs over the world's peak is one rank's over
+        one device's.
+        """
+        return self.flops_per_step * images_per_sec / self.samples_per_step / self.peak_flops
+
+
+def count_step_flops(module: nn.Module, batch: dict, *, precision: str, device: torch.device) -> int:
+    """Model FLOPs of forward + backward of `module` on `batch` (already on `device`), counted on a deep copy.
+
+    The copy leaves `module`'s parameters and gradients alone and has no hooks (DeepSpeed's would reduce its
+    gradients); the Python, NumPy and torch RNGs are restored, so the run draws the same masks and drop paths as
+    without counting. torch's counter knows the CUDA attention kernels but not the CPU fused one, so on CPU the copy
+    uses timm's explicit matmul-softmax attention, which does the same matmuls. Activation checkpointing is off in
+    the copy: its recomputation is work the hardware does, not the model's FLOPs.
+    """
+    from core.engine.loop import autocast_context  # the loop imports this module
+
+    rng = RNGState().state_dict()
+    memo = {
+        id(value): type(value)() for sub in module.modules() for name, value in vars(sub).items() if "hooks" in name
+    }
+    twin = copy.deepcopy(module, memo)
+    if device.type == "cpu":
+        set_attention(twin, "math", device)
+    for sub in twin.modules():  # model FLOPs: activation checkpointing's recomputed forward is not the model's work
+        if getattr(sub, "grad_checkpointing", False):
+            sub.grad_checkpointing = False
+    try:
+        with FlopCounterMode(display=False) as counter:
+            with autocast_context(precision, device):
+                out = twin(batch)
+            out["loss"].float().backward()
+    finally:
+        RNGState().load_state_dict(rng)
+    del twin, out
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return counter.get_total_flops()
+
+
+def gpu_peak_tflops(name: str) -> float | None:
+    """The datasheet bf16 dense TFLOP/s of the GPU called `name` (torch.cuda.get_device_name), None if unknown."""
+    for pattern, tflops in GPU_PEAK_TFLOPS:
+        if re.search(pattern, name):
+            return tflops
+    return None
+
+
+def measure_cpu_tflops(precision: str, size: int = 1024, seconds: float = 1.0) -> float:
+    """Best TFLOP/s of repeated `size`-square matmuls in `precision`'s dtype at the current thread count.
+
+    Trials of about a tenth of a second each run for `seconds` in all (at least three); the best one counts, as the
+    closest to what the hardware can do.
+    """
+    dtype = _MATMUL_DTYPES[precision]
+    gen = torch.Generator().manual_seed(0)  # its own generator: the run's RNG draws stay as without measuring
+    a, b = (torch.randn(size, size, generator=gen).to(dtype) for _ in range(2))
+    t0 = time.perf_counter()
+    a @ b  # warm-up, and a first timing to size the trials
+    reps = max(1, int(0.1 / max(time.perf_counter() - t0, 1e-6)))
+    best, start, trials = float("inf"), time.perf_counter(), 0
+    while trials < 3 or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        best = min(best, (time.perf_counter() - t0) / reps)
+        trials += 1
+    return 2 * size**3 / best / 1e12
+
+
+def device_peak(configured: float | None, precision: str, device: torch.device) -> tuple[float | None, str]:
+    """Peak TFLOP/s of one device and how it was chosen; (None, why) when it is unknown.
+
+    `configured` (`engine.peak_tflops`) wins. On a GPU the datasheet bf16 dense peak; fp32 runs are measured against
+    it too (their matmuls run as TF32 or slower: the gap is what bf16 would gain). On CPU a matmul in the run's
+    precision, measured now.
+    """
+    if configured is not None:
+        return configured, "engine.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tflops = gpu_peak_tflops(name)
+        if tflops is None:
+            return None, f"no datasheet peak known for GPU {name!r}: set engine.peak_tflops to log perf/mfu"
+        return tflops, f"{name} datasheet bf16 dense peak"
+    tflops = measure_cpu_tflops(precision)
+    return tflops, f"{precision} 1024x1024 matmul measured at {torch.get_num_threads()} threads"
+
+
+def start_meter(run: StageRun, module: nn.Module, batches: Iterator[dict]) -> tuple[Utilisation | None, Iterator]:
+    """Count the step's FLOPs on the stream's first micro-batch and find the peak; prints both.
+
+    Returns:
+        (the meter, or None when perf/mfu cannot be logged; `batches` with its first micro-batch put back).
+    """
+    from core.engine.loop import to_device  # the loop imports this module
+
+    cfg, dist, logger = run.cfg, run.dist, run.logger
+    precision = cfg.engine.precision
+    if is_partitioned(module):
+        logger.console("[mimpipe] perf/mfu not logged: FLOPs are not counted on ZeRO-3 partitioned parameters")
+        return None, batches
+    peak, source = device_peak(cfg.engine.peak_tflops, precision, dist.device)
+    if peak is None:
+        logger.console(f"[mimpipe] perf/mfu not logged: {source}")
+        return None, batches
+    first = next(batches)
+    flops = count_step_flops(module, to_device(first, dist.device, precision), precision=precision, device=dist.device)
+    per_step = flops * cfg.engine.grad_accum_steps
+    logger.console(
+        f"[mimpipe] utilisation: {per_step / 1e9:.4g} GFLOP per optimizer step per rank (FlopCounterMode); peak "
+        f"{peak:.4g} TFLOP/s per device ({source}) x {dist.world_size}"
+    )
+    samples = cfg.batch_size_per_device(dist.world_size) * cfg.engine.grad_accum_steps * dist.world_size
+    meter = Utilisation(per_step, samples, peak * 1e12)
+    return meter, itertools.chain([first], batches)

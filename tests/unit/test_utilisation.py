@@ -1,0 +1,139 @@
+"""perf/mfu's pieces: the FLOPs FlopCounterMode counts for a training step, and the peak it is divided by."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from core.config import Config
+from core.engine.distributed import DistInfo
+from core.engine.setup import set_attention
+from core.engine.utilisation import (
+    Utilisation,
+    count_step_flops,
+    device_peak,
+    gpu_peak_tflops,
+    measure_cpu_tflops,
+    start_meter,
+)
+from core.logging import MetricsLogger
+from finetune.classification import Classification
+from tests.unit.conftest import tiny_vit
+
+CPU = torch.device("cpu")
+CLASSES = 4
+
+
+def _step(batch_size: int = 8, **vit) -> tuple[Classification, dict]:
+    """A tiny ViT classifier in train mode (drop path draws from the RNG) and one batch for it."""
+    objective = Classification(tiny_vit(num_classes=CLASSES, drop_path_rate=0.1, **vit).train())
+    gen = torch.Generator().manual_seed(1)
+    batch = {"image": torch.randn(batch_size, 3, 16, 16, generator=gen), "label": torch.arange(batch_size) % CLASSES}
+    return objective, batch
+
+
+def _analytic_flops(model, batch_size: int) -> int:
+    """Forward + backward of a ViT: every matmul costs 2 x its multiply-adds forward and twice that backward (input
+    and weight gradients), except the patch embedding, whose input (the image) needs no gradient."""
+    dim, depth = model.embed_dim, len(model.blocks)
+    patches = model.patch_embed.num_patches
+    tokens = patches + model.num_prefix_tokens
+    hidden = model.blocks[0].mlp.fc1.out_features
+    linears = batch_size * tokens * depth * (3 * dim * dim + dim * dim + 2 * dim * hidden)  # qkv, proj, fc1, fc2
+    attention = batch_size * depth * 2 * tokens * tokens * dim  # q k^T and attn v
+    head = batch_size * dim * CLASSES
+    patch_embed = batch_size * patches * 3 * model.patch_embed.patch_size[0] ** 2 * dim
+    return 2 * 3 * (linears + attention + head) + 2 * 2 * patch_embed
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_counted_flops_match_the_analytic_count(precision):
+    objective, batch = _step()
+    counted = count_step_flops(objective, batch, precision=precision, device=CPU)
+    assert counted == pytest.approx(_analytic_flops(objective.model, 8), rel=0.01)
+
+
+def test_cpu_sdpa_is_counted_like_the_explicit_attention():
+    """torch's counter has no formula for the CPU fused kernel: the count must still include attention."""
+    objective, batch = _step()
+    math_count = count_step_flops(objective, batch, precision="bf16", device=CPU)
+    set_attention(objective, "sdpa", CPU)
+    assert count_step_flops(objective, batch, precision="bf16", device=CPU) == math_count
+    assert all(block.attn.fused_attn for block in objective.model.blocks)  # the run's own choice is kept
+
+
+def test_activation_checkpointing_recomputation_is_not_counted():
+    objective, batch = _step()
+    plain = count_step_flops(objective, batch, precision="bf16", device=CPU)
+    objective.model.set_grad_checkpointing(True)
+    assert count_step_flops(objective, batch, precision="bf16", device=CPU) == plain
+    assert objective.model.grad_checkpointing
+
+
+def test_counting_leaves_parameters_grads_hooks_and_rngs_alone():
+    objective, batch = _step()
+    objective(batch)["loss"].backward()  # the run's gradients, which counting must not add to
+    params = {name: p.detach().clone() for name, p in objective.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in objective.named_parameters()}
+    calls = []
+    objective.model.blocks[0].register_forward_hook(lambda *args: calls.append(1))  # like DeepSpeed's hooks
+
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    count_step_flops(objective, batch, precision="bf16", device=CPU)
+    after = torch.rand(4), random.random(), np.random.rand()
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    assert after == (pytest.approx(torch.rand(4)), random.random(), np.random.rand())
+
+    assert calls == []
+    for name, p in objective.named_parameters():
+        assert torch.equal(p, params[name]) and torch.equal(p.grad, grads[name]), name
+
+
+def test_cpu_peak_is_measured_and_a_configured_peak_is_used_as_given():
+    assert 0 < measure_cpu_tflops("bf16", size=256, seconds=0.1) < 1000
+    assert 0 < measure_cpu_tflops("fp32", size=256, seconds=0.1) < 1000
+    assert device_peak(2.5, "bf16", CPU) == (2.5, "engine.peak_tflops")
+    state = torch.get_rng_state()
+    peak, source = device_peak(None, "fp32", CPU)
+    assert peak > 0 and source.startswith("fp32 1024x1024 matmul measured")
+    assert torch.equal(torch.get_rng_state(), state)  # the run's masks and drop paths stay as without measuring
+
+
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA L4", 121.0),
+        ("Tesla V100-SXM2-16GB", 125.0),
+        ("NVIDIA L40S", None),
+        ("NVIDIA H100 NVL", None),
+    ],
+)
+def test_gpu_peak_from_the_device_name(name, tflops):
+    assert gpu_peak_tflops(name) == tflops
+
+
+def test_mfu_is_the_step_flops_rate_over_the_peak():
+    # 4 ranks, 1 TFLOP per rank per step of 256 samples, 512 samples/s = 2 steps/s -> 2 TFLOP/s of 10 TFLOP/s
+    meter = Utilisation(flops_per_step=1e12, samples_per_step=256, peak_flops=10e12)
+    assert meter.mfu(512.0) == pytest.approx(0.2)
+
+
+def test_start_meter_puts_the_first_batch_back_and_counts_accumulation(capsys):
+    objective, batch = _step()
+    cfg = Config.model_validate({"data": {"global_batch_size": 32}, "engine": {"grad_accum_steps": 2}})
+    cfg.engine.peak_tflops = 0.5
+    run = SimpleNamespace(cfg=cfg, dist=DistInfo(0, 0, 2, CPU), logger=MetricsLogger(None, enabled=False))
+    stream = iter([batch, {"image": batch["image"] + 1, "label": batch["label"]}])
+    meter, batches = start_meter(run, objective, stream)
+    assert next(batches) is batch and torch.equal(next(batches)["image"], batch["image"] + 1)
+    one_micro_batch = count_step_flops(objective, batch, precision="bf16", device=CPU)
+    assert meter == Utilisation(2 * one_micro_batch, 32, 0.5e12)
