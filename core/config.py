@@ -17,7 +17,7 @@ from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from core.config_errors import ConfigError as ConfigError  # re-exported: callers catch it from here
 from core.config_errors import explain
-from core.models import HYBRID_STRIDES
+from core.model_config import ModelConfig, check_arch
 from core.recipe_tree import recipe_tree
 from core.sections import (
     OBJECTIVES_BY_STAGE,
@@ -28,95 +28,9 @@ from core.sections import (
     MAEObjective,
     Objective,
     Section,
-    SimMIMObjective,
     TrainSource,
     TrainSpec,
 )
-from core.t2t_vit import soft_split_grid
-
-
-class ModelConfig(Section):
-    arch: Literal["vit", "vit_hybrid", "t2t_vit", "vt_resnet"] = "vit"
-    """vit: the plain ViT; vit_hybrid: timm's ResNet-stem ViT (`hybrid_backbone`'s feature map is the patch grid);
-    t2t_vit: T2T-ViT (`t2t_variant`, core/t2t_vit.py); vt_resnet: VT-ResNet (`vt_variant`, core/vt.py)."""
-    size: Literal["tiny", "small", "base", "large", "huge"] = "base"
-    """ViT size preset (vit, vit_hybrid); `embed_dim`/`depth`/`num_heads` override it."""
-    img_size: int | tuple[int, int] = 224
-    """Input resolution (square int or [height, width])."""
-    patch_size: int = Field(16, gt=0)
-    """vit: patch side in pixels (default 16); vit_hybrid: patch side on the backbone's feature map (default 1, as
-    timm: every feature-map cell is a token); t2t_vit, vt_resnet: unused (their stems fix the token grid)."""
-    hybrid_backbone: Literal["resnet_stem", "r26", "r50"] = "r50"
-    """vit_hybrid: the ResNetV2 in front of the ViT, as timm builds it: r50 (stages 3-4-9, stride 16:
-    `vit_base_r50_s16_224`, the ViT paper's hybrid), r26 (2-2-2-2, stride 32: `vit_small_r26_s32_224`), resnet_stem
-    (the stem alone, stride 4: `vit_tiny_r_s16_p8_224`, for small images)."""
-    t2t_variant: Literal["14", "19", "24", "t_14", "t_19", "t_24"] = "14"
-    """t2t_vit: T2T-ViT-14/19/24 (Performer T2T layers) or T2T-ViT_t-14/19/24 (transformer T2T layers);
-    `embed_dim`/`depth`/`num_heads` override the variant's backbone."""
-    vt_variant: Literal[18, 34, 50, 101] = 18
-    """vt_resnet: VT-ResNet-18/34/50/101; `embed_dim` overrides the token width (1024)."""
-    embed_dim: int | None = Field(None, gt=0)
-    depth: int | None = Field(None, gt=0)
-    num_heads: int | None = Field(None, gt=0)
-    drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
-    layer_scale_init: float | None = Field(None, gt=0.0)
-    """LayerScale: per-channel residual scales initialised to this value (BEiT: 0.1); None turns it off."""
-    global_pool: Literal["auto", "token", "avg"] = "auto"
-    """Fine-tuning pooling: cls token, or average of patch tokens + fc_norm (MAE's fine-tuning default); auto takes
-    the init export's `pooling_hint` (else the cls token). Pretraining always uses the cls-token layout."""
-    init: str | None = None
-    """Fine-tuning: weights to start from: our export folder, an official MAE/DeiT checkpoint, a timm state dict
-    (.pth/.bin/.safetensors); see finetune/handoff.py."""
-    trust_checkpoint: bool = False
-    """Allow unpickling non-tensor objects from `init` (official MAE checkpoints carry argparse args). Only for files
-    you trust: a pickle can run code."""
-    head_init: Literal["zero", "trunc_normal"] = "zero"
-    """Classifier head init: zero weight and bias (ViT paper), or truncated normal with `head_init_std` (MAE)."""
-    head_init_std: float = Field(2e-5, gt=0.0)
-    pos_embed_resize: Literal["interpolate", "sincos"] = "interpolate"
-    """On a patch-grid change: bicubic interpolation of the pretrained grid, or (for encoders pretrained with fixed
-    2-D sin-cos position embeddings, e.g. MAE) regenerate sin-cos values for the new grid."""
-    num_classes: int | None = Field(None, gt=0)
-    """Fine-tuning: number of classes; default from the training shards' index.json."""
-
-    @property
-    def image_hw(self) -> tuple[int, int]:
-        return (self.img_size, self.img_size) if isinstance(self.img_size, int) else tuple(self.img_size)
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        """The encoder's token grid (gh, gw) (VT-ResNet: its stride-16 feature map)."""
-        h, w = self.image_hw
-        if self.arch == "t2t_vit":
-            return soft_split_grid((h, w))
-        return h // self.pixel_stride, w // self.pixel_stride
-
-    @property
-    def pixel_stride(self) -> int:
-        """Image pixels per token side (vit: the patch; hybrid: backbone stride x patch; T2T, VT: 16)."""
-        if self.arch == "vit":
-            return self.patch_size
-        if self.arch == "vit_hybrid":
-            return HYBRID_STRIDES[self.hybrid_backbone] * self.patch_size
-        return 16
-
-    @model_validator(mode="before")
-    @classmethod
-    def _hybrid_patch_default(cls, data):
-        """A hybrid's patches are cut from the feature map: timm's default there is 1 (one token per cell), not 16."""
-        if isinstance(data, dict) and data.get("arch") == "vit_hybrid" and "patch_size" not in data:
-            data = {**data, "patch_size": 1}
-        return data
-
-    @model_validator(mode="after")
-    def _check_patch(self) -> ModelConfig:
-        h, w = self.image_hw
-        if self.arch in ("vit", "vit_hybrid") and (h % self.pixel_stride or w % self.pixel_stride):
-            what = "model.patch_size" if self.arch == "vit" else "the hybrid backbone's stride x model.patch_size"
-            raise ValueError(f"model.img_size {self.img_size} is not divisible by {what} ({self.pixel_stride})")
-        if self.arch == "t2t_vit":
-            soft_split_grid((h, w))  # raises on an image too small for the three soft splits
-        return self
 
 
 class DataConfig(Section):
@@ -278,7 +192,7 @@ class Config(Section):
             raise ValueError(
                 "optim.ema_decay does not work with engine.zero_stage 3 (the average would be partitioned)"
             )
-        _check_arch(self)
+        check_arch(self)
         if isinstance(self.objective, BEiTObjective):
             num_patches = math.prod(self.model.grid)
             budget = self.objective.mask.budget(num_patches)
@@ -354,57 +268,6 @@ class Config(Section):
         total = s.steps if s.steps is not None else max(1, math.ceil(s.epochs * per_epoch))
         warmup = s.warmup_steps if s.warmup_steps is not None else math.ceil((s.warmup_epochs or 0) * per_epoch)
         return total, min(warmup, total)
-
-
-def _check_arch(cfg: Config) -> None:
-    """What each `model.arch` can be trained with (raises ValueError naming the fields)."""
-    arch, kind = cfg.model.arch, cfg.objective.kind
-    if kind == "mae" and arch != "vit":
-        raise ValueError(
-            f"objective.kind mae needs model.arch vit, got {arch!r}: MAE drops the masked tokens before the encoder, "
-            "which needs patches the encoder sees independently (a ResNet stem, T2T's overlapping soft splits and "
-            "VT's convolutions all see neighbouring pixels); use objective.kind simmim"
-        )
-    if kind in ("beit", "simmim") and arch == "vt_resnet":
-        raise ValueError(
-            f"objective.kind {kind} does not fit model.arch vt_resnet: VT's 16 visual tokens are pooled from the "
-            "whole feature map by attention, so there is no token per image patch to mask and predict; VT is "
-            "fine-tuned only (from scratch or from ImageNet ResNet stages)"
-        )
-    if kind in ("beit", "simmim"):
-        grid, stride = cfg.model.grid, cfg.model.pixel_stride
-        if (grid[0] * stride, grid[1] * stride) != cfg.model.image_hw:
-            raise ValueError(
-                f"objective.kind {kind}: model.img_size {cfg.model.img_size} must be the token grid {grid} x "
-                f"{stride} px per token (model.arch {arch}: an img_size divisible by {stride})"
-            )
-    if isinstance(cfg.objective, SimMIMObjective):
-        unit, grid = cfg.objective.mask_patch_size, cfg.model.grid
-        if grid[0] % unit or grid[1] % unit:
-            raise ValueError(f"objective.mask_patch_size {unit} does not divide the token grid {grid}")
-        num_units = math.prod(grid) // unit**2
-        num_masked = math.ceil(cfg.objective.mask_ratio * num_units)
-        if num_masked >= num_units:
-            raise ValueError(
-                f"objective.mask_ratio {cfg.objective.mask_ratio} masks all {num_units} mask units of "
-                f"{unit}x{unit} tokens on the grid {grid}; lower it or objective.mask_patch_size"
-            )
-    if cfg.engine.activation_checkpointing and arch not in ("vit", "vit_hybrid"):
-        raise ValueError(
-            f"engine.activation_checkpointing is implemented for model.arch vit and vit_hybrid, not {arch}"
-        )
-    if cfg.engine.zero_stage == 3 and arch != "vit":
-        raise ValueError(
-            f"engine.zero_stage 3 needs model.arch vit, got {arch!r}: the hybrid runs its ResNet at construction "
-            "(to size the token grid) and T2T / VT initialise outside timm's VisionTransformer.init_weights, which "
-            "the ZeRO-3 build redoes (core/engine/zero_init.py); use zero_stage 2"
-        )
-    if getattr(cfg.objective, "mode", None) == "linear_probe" and arch == "vt_resnet":
-        raise ValueError("objective.mode linear_probe needs a model with a `head` (vit, vit_hybrid, t2t_vit)")
-    if cfg.distill.kind != "none" and arch != "vit":
-        raise ValueError(f"distill needs model.arch vit (DeiT's distillation token), got {arch!r}")
-    if arch == "vt_resnet" and cfg.model.global_pool == "token":
-        raise ValueError("model.global_pool token does not fit model.arch vt_resnet (it averages its visual tokens)")
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
