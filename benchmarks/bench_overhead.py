@@ -86,7 +86,10 @@ def build_objective(cfg, objective: str):
         from pretrain.objectives import objective_builder
 
         return objective_builder(cfg)
-    from core.engine.stage import build_model
+    try:
+        from core.models import build_model
+    except ImportError:  # a --before tree from before core/engine/stage.py was split
+        from core.engine.stage import build_model
     from finetune.classification import Classification
 
     return lambda: Classification(
@@ -171,12 +174,18 @@ def run_engine(cfg, spec: dict, batch: dict, marks: list[tuple[float, float]]) -
     total = cfg.schedule.steps
     logger = MetricsLogger(run_dir, enabled=False, tensorboard=False, total_steps=total)
     kwargs = dict(
-        cfg=cfg, engine=engine, optimizer=optimizer, batches=batches(), dist=dist, state=TrainState(),
-        total_steps=total, warmup_steps=cfg.schedule.warmup_steps, logger=logger, run_dir=run_dir,
-        config_yaml=dump_config(cfg),
+        cfg=cfg, dist=dist, run_dir=run_dir, config_yaml=dump_config(cfg), state=TrainState(), total_steps=total,
+        warmup_steps=cfg.schedule.warmup_steps, logger=logger,
     )  # fmt: skip
     with contextlib.suppress(MeasurementDone):
-        train(**kwargs)
+        try:
+            from core.engine.loop import LoopHooks
+            from core.engine.run import StageRun
+        except ImportError:  # a --before tree whose train() still took every field as a keyword
+            train(engine=engine, optimizer=optimizer, batches=batches(), **kwargs)
+        else:
+            run = StageRun(recipe="", samples=None, resume=None, **kwargs)
+            train(run, engine, optimizer, batches(), LoopHooks())
 
 
 def worker(spec_json: str) -> None:
