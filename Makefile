@@ -70,12 +70,11 @@ format: install
 	$(VENV)/bin/ruff format .
 
 # The engine against a plain loop where the 10% target is read: MAE ViT-B, batch 32, tcmalloc (as launch.sh runs);
-# then the quickstart models' fixed per-step cost (engine / plain timm loop, this tree and the BEFORE revision).
-BEFORE ?= dae0eab
+# then the quickstart models' fixed per-step cost (engine / plain timm loop; `--before REV` adds an older tree).
 bench: install
 	$(PY) benchmarks/bench_engine.py --batch 32 --allocators tcmalloc --rounds 3 \
 	  --out benchmarks/results/engine_batch32.md
-	$(PY) benchmarks/bench_overhead.py --threads 1 --before $(BEFORE) --out benchmarks/results/overhead.md
+	$(PY) benchmarks/bench_overhead.py
 
 bench-memory: install
 	$(PY) benchmarks/bench_memory.py
