@@ -9,7 +9,23 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable
 
+from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import register_model
+
+
+def imagenet_cfg(**fields) -> dict:
+    """A variant's pretrained config (what `default_cfgs` holds): ImageNet-1k at 224 px with ImageNet's mean and std,
+    no weights to download; `fields` add the model's own (crop, interpolation, first conv, classifier)."""
+    return dict(
+        url="",
+        num_classes=1000,
+        input_size=(3, 224, 224),
+        pool_size=None,
+        mean=IMAGENET_DEFAULT_MEAN,
+        std=IMAGENET_DEFAULT_STD,
+        license="apache-2.0",
+        **fields,
+    )
 
 
 def register_variants(module: str, names: Iterable[str], create: Callable[..., object]) -> None:

@@ -26,7 +26,7 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from core.models import sincos_pos_embed_2d
-from core.registry import register_variants
+from core.registry import imagenet_cfg, register_variants
 
 # (kernel, stride, padding) of the three soft splits; at 224 px the grid goes 56 -> 28 -> 14 (1/16 of the image).
 SOFT_SPLITS = ((7, 4, 2), (3, 2, 1), (3, 2, 1))
@@ -277,20 +277,12 @@ def _drop_fixed_tables(state_dict: dict[str, torch.Tensor], model: T2TViT) -> di
     return {k: v for k, v in state_dict.items() if k != "pos_embed"}
 
 
-def _cfg(**kwargs) -> dict:
-    return dict(
-        url="",
-        num_classes=1000,
-        input_size=(3, 224, 224),
-        pool_size=None,
+def _cfg() -> dict:
+    return imagenet_cfg(
         crop_pct=0.9,
         interpolation="bicubic",
-        mean=(0.485, 0.456, 0.406),
-        std=(0.229, 0.224, 0.225),
         first_conv=None,  # the first layer is a Linear over unfolded patches, not a conv timm could adapt
         classifier="head",
-        license="apache-2.0",
-        **kwargs,
     )
 
 

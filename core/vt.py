@@ -27,7 +27,7 @@ from timm.models import build_model_with_cfg
 from timm.models.resnet import BasicBlock, Bottleneck, make_blocks
 from torch import nn
 
-from core.registry import register_variants
+from core.registry import imagenet_cfg, register_variants
 
 
 def _projection(in_dim: int, out_dim: int) -> nn.Module:
@@ -214,20 +214,12 @@ class VTResNet(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def _cfg(**kwargs) -> dict:
-    return dict(
-        url="",
-        num_classes=1000,
-        input_size=(3, 224, 224),
-        pool_size=None,
+def _cfg() -> dict:
+    return imagenet_cfg(
         crop_pct=0.875,
         interpolation="bilinear",
-        mean=(0.485, 0.456, 0.406),
-        std=(0.229, 0.224, 0.225),
         first_conv="conv1",
         classifier="fc",
-        license="apache-2.0",
-        **kwargs,
     )
 
 
