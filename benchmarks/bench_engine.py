@@ -24,7 +24,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: benchmarks.workers comes from the repository root
+    sys.path.append(str(REPO))
+
+from benchmarks.workers import run_worker, worker_env  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results" / "engine.md"
 NEVER = 10**9  # logging / checkpoint period that never comes round in a benchmark run
 # (fused, foreach) for torch.optim.AdamW; "forloop" is torch's default on CPU when fused is off.
@@ -331,16 +335,10 @@ def run_case(case: Case, args: argparse.Namespace, scratch: Path) -> dict:
     run_dir = Path(tempfile.mkdtemp(dir=scratch))
     spec = {**asdict(case), **{k: getattr(args, k) for k in ("model", "size", "batch", "warmup", "steps")}}
     spec.update(run_dir=str(run_dir), out=str(run_dir / "result.json"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    env = worker_env(args.threads, PYTHONPATH=str(REPO))
+    env = {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
     env.update(allocator_env(case.allocator))
-    env.update(OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        env.pop(key, None)  # each worker makes its own one-process group on a free port
-    command = [sys.executable, __file__, "--worker", json.dumps(spec)]
-    proc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{case} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
-    return json.loads(Path(spec["out"]).read_text())
+    return run_worker(__file__, spec, env, case)
 
 
 def run_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, list[dict]]:

@@ -35,6 +35,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: benchmarks.workers comes from the repository root
+    sys.path.append(str(REPO))
+
+from benchmarks.workers import run_worker, worker_env  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results" / "overhead.md"
 NEVER = 10**9  # logging / checkpoint period that never comes round in a benchmark run
 RECIPES = {"ft": "recipes/quickstart_finetune.yaml", "mae": "recipes/quickstart.yaml"}
@@ -250,16 +255,10 @@ def run_case(case: Case, args: argparse.Namespace, scratch: Path, trees: dict[st
     spec = {**asdict(case), **{k: getattr(args, k) for k in ("warmup", "steps")}, "profile": profile}
     spec.update(run_dir=str(run_dir), out=str(run_dir / "result.json"))
     code_root = trees[case.tree] if case.tree else REPO
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
+    env = worker_env(args.threads, PYTHONPATH=str(code_root), BENCH_CODE_ROOT=str(code_root))
     if TCMALLOC.exists():  # as launch.sh runs
         env["LD_PRELOAD"] = str(TCMALLOC)
-    env.update(PYTHONPATH=str(code_root), BENCH_CODE_ROOT=str(code_root))
-    command = [sys.executable, __file__, "--worker", json.dumps(spec)]
-    proc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{case} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
-    return json.loads(Path(spec["out"]).read_text())
+    return run_worker(__file__, spec, env, case)
 
 
 def run_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, list[dict]]:
