@@ -16,26 +16,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import glob
 import itertools
 import json
 import os
-import platform
 import resource
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: benchmarks.workers comes from the repository root
     sys.path.append(str(REPO))
 
-from benchmarks.workers import run_worker, worker_env  # noqa: E402
+from benchmarks.workers import machine_lines, run_worker, worker_env  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "engine.md"
 NEVER = 10**9  # logging / checkpoint period that never comes round in a benchmark run
@@ -400,15 +397,8 @@ def render_table(cases: list[Case], stats: dict[Case, dict]) -> list[str]:
 
 def environment(args: argparse.Namespace, load_before: tuple[float, ...]) -> list[str]:
     """Where and how the numbers were taken."""
-    import torch
-
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), platform.machine())
     return [
-        f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
-        f"- CPU: {cpu}, {os.cpu_count()} cores visible; OMP_NUM_THREADS={args.threads}",
-        f"- torch {torch.__version__}, deepspeed {version('deepspeed')}, timm {version('timm')}, "
-        f"python {platform.python_version()}, {' '.join(platform.libc_ver())}",
+        *machine_lines(args.threads),
         f"- model: MAE ViT-{args.model.capitalize()}/16 at {args.size} px, batch {args.batch}, "
         "bf16 autocast over fp32 weights, world size 1 (one-process gloo group)",
         f"- per process: {args.warmup} warm-up + {args.steps} timed steps; {args.rounds} interleaved rounds; runs "

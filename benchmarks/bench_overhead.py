@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import datetime
 import io
 import json
 import os
@@ -31,14 +30,13 @@ import tarfile
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: benchmarks.workers comes from the repository root
     sys.path.append(str(REPO))
 
-from benchmarks.workers import run_worker, worker_env  # noqa: E402
+from benchmarks.workers import machine_lines, run_worker, worker_env  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "overhead.md"
 NEVER = 10**9  # logging / checkpoint period that never comes round in a benchmark run
@@ -300,15 +298,8 @@ def render_table(cases: list[Case], results: dict[Case, list[dict]]) -> list[str
 
 
 def environment(args: argparse.Namespace, load_before: float) -> list[str]:
-    import torch
-
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), platform.machine())
     return [
-        f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
-        f"- CPU: {cpu}, {os.cpu_count()} cores visible; OMP_NUM_THREADS={args.threads}",
-        f"- torch {torch.__version__}, deepspeed {version('deepspeed')}, timm {version('timm')}, "
-        f"python {platform.python_version()}",
+        *machine_lines(args.threads),
         f"- per process: {args.warmup} warm-up + {args.steps} timed steps on one in-memory batch; {args.rounds} "
         f"interleaved rounds; world size 1 (one-process gloo group), bf16 autocast over fp32 weights",
         f"- 1-min load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} (other jobs shared the "

@@ -3,10 +3,13 @@ that makes its own one-process group and writes its timings as JSON to `spec["ou
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import platform
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,3 +32,17 @@ def run_worker(script: str, spec: dict, env: dict[str, str], what: object) -> di
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
     return json.loads(Path(spec["out"]).read_text())
+
+
+def machine_lines(threads: int) -> list[str]:
+    """The head of a result file: when, on which CPU with how many threads, with which library versions."""
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), platform.machine())
+    return [
+        f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
+        f"- CPU: {cpu}, {os.cpu_count()} cores visible; OMP_NUM_THREADS={threads}",
+        f"- torch {torch.__version__}, deepspeed {version('deepspeed')}, timm {version('timm')}, "
+        f"python {platform.python_version()}, {' '.join(platform.libc_ver())}",
+    ]
