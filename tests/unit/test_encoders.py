@@ -113,7 +113,6 @@ def test_unit_masks_cover_whole_units_with_ceil_of_the_ratio():
         (["model.arch=vit_hybrid", "model.hybrid_backbone=r50", "model.patch_size=1", "model.img_size=40"], "16"),
         (["model.arch=t2t_vit", "engine.activation_checkpointing=true", "objective.kind=simmim"], "vit_hybrid"),
         (["stage=finetune", "model.arch=vt_resnet", "model.global_pool=token"], "averages its visual tokens"),
-        (["model.arch=t2t_vit", "objective.kind=simmim", "engine.zero_stage=3"], "use zero_stage 2"),
         (["stage=finetune", "model.arch=vt_resnet", "objective.mode=linear_probe"], "needs a model with a `head`"),
         (["stage=finetune", "model.arch=vit_hybrid", "distill.kind=soft", "distill.teacher=x"], "distill needs"),
     ],
