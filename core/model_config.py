@@ -137,8 +137,6 @@ def check_arch(cfg: Config) -> None:
         raise ValueError(
             f"engine.activation_checkpointing is implemented for model.arch vit and vit_hybrid, not {arch}"
         )
-    if getattr(cfg.objective, "mode", None) == "linear_probe" and arch == "vt_resnet":
-        raise ValueError("objective.mode linear_probe needs a model with a `head` (vit, vit_hybrid, t2t_vit)")
     if cfg.distill.kind != "none" and arch != "vit":
         raise ValueError(f"distill needs model.arch vit (DeiT's distillation token), got {arch!r}")
     if arch == "vt_resnet" and cfg.model.global_pool == "token":

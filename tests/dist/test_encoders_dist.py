@@ -1,8 +1,8 @@
 """Recipes: the other encoders through ./launch.sh at ZeRO-2 on 2 gloo processes, 32 px synthetic images, tiny
 widths: SimMIM on the hybrid (ResNet stem) and on T2T-ViT_t-14 with their exports loaded back in timm, the hybrid
-fine-tuned from its SimMIM export at 48 px (pos_embed resized, layer decay), VT-ResNet-18 fine-tuned from scratch;
-SimMIM on T2T-ViT_t-14 again at ZeRO-3. Their ZeRO-3 construction (tests/dist/zero3_encoders_worker.py under
-torchrun) against the ordinary build."""
+fine-tuned from its SimMIM export at 48 px (pos_embed resized, layer decay), VT-ResNet-18 fine-tuned from scratch
+and then linear-probed; SimMIM on T2T-ViT_t-14 again at ZeRO-3. Their ZeRO-3 construction
+(tests/dist/zero3_encoders_worker.py under torchrun) against the ordinary build."""
 
 from __future__ import annotations
 
@@ -155,8 +155,39 @@ def test_zero3_build_of_the_hybrid_initialises_like_timm(zero3_builds):
     assert 0.85 < low <= high < 1.15
 
 
-def test_vt_resnet_finetunes_from_scratch(shards, tmp_path, monkeypatch):
-    model = {"arch": "vt_resnet", "vt_variant": 18, "embed_dim": 64, "img_size": 32}
-    run(finetune_recipe(shards, tmp_path / "run", model), tmp_path / "recipe.yaml")
-    loaded = assert_export_matches_timm(tmp_path / "run" / "export", monkeypatch, "VTResNet")
+VT = {"arch": "vt_resnet", "vt_variant": 18, "embed_dim": 64, "img_size": 32}
+
+
+@pytest.fixture(scope="module")
+def vt_finetuned(shards, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vt_finetune")
+    run(finetune_recipe(shards, tmp / "run", VT), tmp / "recipe.yaml")
+    return tmp / "run"
+
+
+def test_vt_resnet_finetunes_from_scratch(vt_finetuned, monkeypatch):
+    loaded = assert_export_matches_timm(vt_finetuned / "export", monkeypatch, "VTResNet")
     assert loaded.num_classes == 4 and loaded.num_features == 64
+
+
+def test_vt_resnet_linear_probe_keeps_its_encoder_and_batch_norm_statistics(
+    vt_finetuned, shards, tmp_path, monkeypatch
+):
+    """Recipe: a linear probe (LARS) on the VT-ResNet fine-tuned above: everything but `fc` is exported as it came,
+    BatchNorm running statistics included, and the probe's folded `fc` loads into plain timm."""
+    recipe = finetune_recipe(shards, tmp_path / "run", {**VT, "init": str(vt_finetuned / "export")})
+    recipe["objective"] = {"kind": "classification", "mode": "linear_probe"}
+    recipe["optim"] = {"kind": "lars", "base_lr": 0.1, "weight_decay": 0.0}
+    run(recipe, tmp_path / "recipe.yaml")
+    before = load_file(str(vt_finetuned / "export" / "model.safetensors"))
+    after = load_file(str(tmp_path / "run" / "export" / "model.safetensors"))
+    assert set(after) == set(before) and "layer1.0.bn1.running_mean" in after
+    # Frozen BatchNorms keep no update counter, so it is exported as 0 (only BatchNorm with momentum=None reads it).
+    assert all(after[k] == 0 for k in after if k.endswith("num_batches_tracked"))
+    kept = [k for k in before if not k.startswith("fc.") and not k.endswith("num_batches_tracked")]
+    changed = [k for k in kept if not torch.equal(after[k], before[k])]
+    assert not changed, changed
+    assert not torch.equal(after["fc.weight"], before["fc.weight"])
+    assert isinstance(
+        assert_export_matches_timm(tmp_path / "run" / "export", monkeypatch, "VTResNet").fc, torch.nn.Linear
+    )
