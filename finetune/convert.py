@@ -10,11 +10,13 @@ after that architecture (DeiT's distilled one when the checkpoint has a distilla
 given). Our own export carries its config.json and needs none of them. The classifier head, if any, is kept;
 decoder, mask token and other non-encoder tensors are dropped and listed in the manifest.
 
-T2T-ViT and VT-ResNet weights in our layout (core/t2t_vit.py, core/vt.py; told by `tokens_to_token.*` and
-`layer4.*.tokenizer.*` keys) are converted the same way: the structure is read from the weights and matched to a
-registered variant (`t2t_vit_14` ... `t2t_vit_t_24`, `vt_resnet18` ... `vt_resnet101`; a T2T-ViT of another width
-needs `--num-heads`). What the weights cannot show takes the variant's default: T2T's image size (224 px; its
-position table is fixed, never stored, and rebuilt for any size) and pooling (class token).
+A hybrid ViT's weights (timm's `vit_*_r*` layout) are told by the ResNetV2 in front (`model.hybrid_backbone`
+resnet_stem, r26 or r50, from its stages), whose stride gives the image size. T2T-ViT and VT-ResNet weights in our
+layout (core/t2t_vit.py, core/vt.py; told by `tokens_to_token.*` and `layer4.*.transformer.*` keys) are converted the
+same way: the structure is read from the weights and matched to a registered variant (`t2t_vit_14` ...
+`t2t_vit_t_24`, `vt_resnet18` ... `vt_resnet101`; a T2T-ViT of another width needs `--num-heads`). What the weights
+cannot show takes the variant's default: T2T's image size (224 px; its position table is fixed, never stored, and
+rebuilt for any size) and pooling (class token).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from timm.models import VisionTransformer
 from torch import nn
 
 from core.engine.export import export_model
-from core.models import model_args
+from core.models import HYBRID_ARCHITECTURES, HYBRID_STRIDES, model_args
 from core.t2t_vit import VARIANTS as T2T_VARIANTS
 from core.vt import VARIANTS as VT_VARIANTS
 from finetune.checkpoints import Checkpoint, has_module, read_checkpoint
@@ -166,11 +168,16 @@ def _build_model(ckpt: Checkpoint, arch: str | None, num_heads: int | None) -> n
             raise ValueError("--num-heads does not apply to VT-ResNet (its token transformer has one head)")
         return _build_family(ckpt, arch, *infer_vt_args(ckpt.state), VT_VARIANTS)
     args = infer_vit_args(ckpt.state)
+    hybrid = infer_hybrid_backbone(ckpt.state)
+    if hybrid is not None:  # the patch embedding reads the backbone's feature map, not the image
+        in_chans, stride = hybrid[1], HYBRID_STRIDES[hybrid[0]]
+        args.update(in_chans=in_chans, img_size=tuple(side * stride for side in args["img_size"]))
     width = args["embed_dim"]
     if num_heads is not None and (num_heads < 1 or width % num_heads):
         raise ValueError(f"--num-heads {num_heads} does not divide {ckpt.source}'s width {width}")
     if arch is None:
         arch, num_heads = _default_arch(ckpt, width, distilled="dist_token" in ckpt.state, num_heads=num_heads)
+        arch = HYBRID_ARCHITECTURES[hybrid[0]][0] if hybrid is not None else arch
     if not timm.is_model(arch):
         raise ValueError(f"--arch {arch!r} is not a timm architecture")
     with torch.device("meta"):
@@ -209,6 +216,28 @@ def _default_arch(ckpt: Checkpoint, width: int, *, distilled: bool, num_heads: i
 def _suggested_heads(width: int) -> int:
     """The divisor of `width` whose head size is closest to 64."""
     return min((d for d in range(1, width + 1) if width % d == 0), key=lambda d: abs(width / d - 64))
+
+
+def infer_hybrid_backbone(state: dict[str, torch.Tensor]) -> tuple[str, int] | None:
+    """(`model.hybrid_backbone`, image channels) of a hybrid ViT's weights, told by its ResNetV2's stages; None for
+    a plain ViT.
+
+    Raises:
+        ValueError: ResNetV2 stages of none of `core.models.HYBRID_ARCHITECTURES`.
+    """
+    prefix = "patch_embed.backbone."
+    if "patch_embed.backbone.conv.weight" in state:  # the stem alone: (64, C, 7, 7)
+        return "resnet_stem", state["patch_embed.backbone.conv.weight"].shape[1]
+    if f"{prefix}stem.conv.weight" not in state:
+        return None
+    stages = sorted({int(k.split(".")[3]) for k in state if k.startswith(f"{prefix}stages.")})
+    blocks = tuple(len({k.split(".")[5] for k in state if k.startswith(f"{prefix}stages.{i}.blocks.")}) for i in stages)
+    backbone = {(2, 2, 2, 2): "r26", (3, 4, 9): "r50"}.get(blocks)
+    if backbone is None:
+        raise ValueError(
+            f"hybrid ViT weights whose ResNetV2 has {blocks} blocks per stage: not r26 (2, 2, 2, 2) or r50 (3, 4, 9)"
+        )
+    return backbone, state[f"{prefix}stem.conv.weight"].shape[1]
 
 
 def infer_t2t_args(state: dict[str, torch.Tensor], num_heads: int | None) -> tuple[str, dict]:

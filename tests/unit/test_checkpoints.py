@@ -427,3 +427,29 @@ def test_convert_vt_of_no_variant_names_its_stages(tmp_path, capsys):
     assert convert_main([str(tmp_path / "weights.safetensors"), str(tmp_path / "out")]) == 2
 
     assert "BasicBlock stages of (2, 2, 1) blocks and 2 VT modules match no variant" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("backbone", "img_size", "arch"),
+    [("resnet_stem", 32, "vit_tiny_r_s16_p8_224"), ("r26", 64, "vit_small_r26_s32_224")],
+)
+def test_convert_hybrid_state_dict_reads_its_backbone_and_image_size(tmp_path, backbone, img_size, arch):
+    """A hybrid's patch embedding reads the ResNetV2's feature map: the backbone is told by its stages, and the image
+    size is the position grid x the patch x the backbone's stride (resnet_stem 4, r26 32)."""
+    from core.models import build_vit
+
+    torch.manual_seed(0)
+    source = build_vit(
+        "tiny", img_size=img_size, patch_size=2 if backbone == "resnet_stem" else 1, embed_dim=192, depth=1,
+        num_heads=3, num_classes=3, hybrid_backbone=backbone,
+    ).eval()  # fmt: skip
+    torch.save(state_of(source), tmp_path / "hybrid.pth")
+
+    assert convert_main([str(tmp_path / "hybrid.pth"), str(tmp_path / "out")]) == 0  # width 192: timm's 3 heads
+
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architecture"] == arch and config["model_args"]["img_size"] == [img_size, img_size]
+    rebuilt = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
+    x = torch.randn(2, 3, img_size, img_size)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(x), source(x), rtol=0, atol=0)
