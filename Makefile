@@ -1,5 +1,5 @@
 # mimpipe: make quickstart | make test | make lint | make bench | make bench-memory | make bench-data |
-#         make smoke-recipes
+#         make smoke-recipes | make encoders-table
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
@@ -8,7 +8,7 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: install quickstart quickstart-beit quickstart-data test test-unit test-dist lint format bench bench-memory \
-	bench-data smoke-recipes
+	bench-data smoke-recipes encoders-table
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -83,6 +83,11 @@ bench-memory: install
 # benchmarks/results/smoke_recipes.md. A stage that would not fit in the free memory is listed as not run.
 smoke-recipes: install
 	$(PY) benchmarks/smoke_recipes.py
+
+# The README's encoder table: ViT, hybrid, T2T-ViT and VT-ResNet fine-tuned from scratch on the quickstart budget,
+# the hybrid and T2T-ViT also after SimMIM (8 runs, ~1.5 h on 2 cores): benchmarks/results/encoders.md.
+encoders-table: quickstart-data
+	$(PY) benchmarks/encoders_table.py
 
 # The data path at 224 px: images/s per DataLoader worker, torchvision ImageFolder against our loader with the old
 # (torchvision PIL) and the new (data/transforms.py CropFlip) transform, on generated ImageNet-like JPEGs (~10 minutes).

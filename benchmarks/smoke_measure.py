@@ -18,6 +18,7 @@ import psutil
 
 from core.config import Config
 from core.models import VIT_SIZES
+from core.t2t_vit import VARIANTS as T2T_VARIANTS
 
 REPO = Path(__file__).resolve().parents[1]
 POLL_SECONDS = 0.5
@@ -124,14 +125,21 @@ def last_step_seconds(run_dir: Path) -> float | None:
 
 
 def _expected_shapes(cfg: Config, num_classes: int) -> dict[str, list[int]]:
-    """The export's key tensors as the recipe's model has them."""
+    """The export's key tensors as the recipe's model has them (T2T-ViT stores no position table: it is fixed)."""
     m = cfg.model
+    if m.arch == "t2t_vit":
+        width = m.embed_dim or T2T_VARIANTS[f"t2t_vit_{m.t2t_variant}"]["embed_dim"]
+        shapes = {"tokens_to_token.project.weight": [width, 64 * 3 * 3]}  # from the last 3x3 soft split of width 64
+        return {**shapes, "head.weight": [num_classes, width]} if num_classes else shapes
+    if m.arch == "vt_resnet":
+        width, channels = m.embed_dim or 1024, 256 if m.vt_variant in (18, 34) else 1024
+        shapes = {"layer4.0.tokenizer.filters.weight": [16, channels]}  # 16 visual tokens from the stride-16 map
+        return {**shapes, "fc.weight": [num_classes, width]} if num_classes else shapes
     width = m.embed_dim or VIT_SIZES[m.size]["embed_dim"]
     prefix = 2 if cfg.stage == "finetune" and cfg.distill.kind != "none" else 1  # DeiT: class + distillation token
-    shapes = {
-        "pos_embed": [1, prefix + math.prod(m.grid), width],
-        "patch_embed.proj.weight": [width, 3, m.patch_size, m.patch_size],
-    }
+    shapes = {"pos_embed": [1, prefix + math.prod(m.grid), width]}
+    if m.arch == "vit":  # the hybrid's patch embedding is a 1x1 conv over its backbone's channels
+        shapes["patch_embed.proj.weight"] = [width, 3, m.patch_size, m.patch_size]
     if num_classes:
         shapes["head.weight"] = [num_classes, width]
     return shapes

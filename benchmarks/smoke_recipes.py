@@ -283,7 +283,12 @@ def _describe(cfg: Config) -> str:
     if cfg.stage == "tokenizer":
         o = cfg.objective
         return f"VQ-VAE {o.img_size} px / {o.downsample}, {o.codebook_size} codes"
-    m, depth = cfg.model, VIT_SIZES[cfg.model.size]["depth"]
+    m = cfg.model
+    if m.arch == "t2t_vit":
+        return f"T2T-ViT{'_t' if m.t2t_variant.startswith('t_') else ''}-{m.t2t_variant[-2:]} at {m.img_size} px"
+    if m.arch == "vt_resnet":
+        return f"VT-ResNet-{m.vt_variant} at {m.img_size} px"
+    depth = VIT_SIZES[m.size]["depth"]
     text = f"ViT-{m.size[0].upper()}/{m.patch_size} at {m.img_size} px"
     text += f", {m.depth} of {depth} blocks" if m.depth not in (None, depth) else ""
     return text + (f", LayerScale {m.layer_scale_init:g}" if m.layer_scale_init else "")

@@ -137,14 +137,6 @@ def check_arch(cfg: Config) -> None:
         raise ValueError(
             f"engine.activation_checkpointing is implemented for model.arch vit and vit_hybrid, not {arch}"
         )
-    if cfg.engine.zero_stage == 3 and arch != "vit":
-        raise ValueError(
-            f"engine.zero_stage 3 needs model.arch vit, got {arch!r}: the hybrid runs its ResNet at construction "
-            "(to size the token grid) and T2T / VT initialise outside timm's VisionTransformer.init_weights, which "
-            "the ZeRO-3 build redoes (core/engine/zero_init.py); use zero_stage 2"
-        )
-    if getattr(cfg.objective, "mode", None) == "linear_probe" and arch == "vt_resnet":
-        raise ValueError("objective.mode linear_probe needs a model with a `head` (vit, vit_hybrid, t2t_vit)")
     if cfg.distill.kind != "none" and arch != "vit":
         raise ValueError(f"distill needs model.arch vit (DeiT's distillation token), got {arch!r}")
     if arch == "vt_resnet" and cfg.model.global_pool == "token":

@@ -159,20 +159,20 @@ class VTResNet(nn.Module):
         )
         self.head_drop = nn.Dropout(drop_rate)
         self.fc = nn.Linear(token_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self._init_weights(zero_init_last)
+        self.init_weights(zero_init_last)
 
-    def _init_weights(self, zero_init_last: bool) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Conv2d):
-                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(module, nn.Linear):
-                trunc_normal_(module.weight, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+    def init_weights(self, zero_init_last: bool = True) -> None:
+        """Kaiming-normal convolutions, truncated-normal Linear weights with zero biases and, with `zero_init_last`,
+        a zero scale on the last BatchNorm of each residual branch (timm's ResNet init).
+
+        Module by module through `apply`, each call touching only that module's own parameters: inside ZeRO-3's
+        `deepspeed.zero.Init` the sub-modules are already partitioned here, and DeepSpeed gathers exactly those
+        around each call (core/engine/zero_init.py), so the partitioned model starts from these values too."""
+        self.apply(_init_module)
         if zero_init_last:
-            for module in self.modules():
-                if hasattr(module, "zero_init_last"):
-                    module.zero_init_last()
+            for block in self.modules():
+                if isinstance(block, (BasicBlock, Bottleneck)):
+                    (block.bn3 if isinstance(block, Bottleneck) else block.bn2).apply(_zero_scale)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
@@ -212,6 +212,20 @@ class VTResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+def _init_module(module: nn.Module) -> None:
+    if isinstance(module, nn.Conv2d):
+        nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+    elif isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+def _zero_scale(module: nn.Module) -> None:
+    if isinstance(module, nn.BatchNorm2d):
+        nn.init.zeros_(module.weight)
 
 
 def _cfg() -> dict:

@@ -9,6 +9,14 @@ after that architecture (DeiT's distilled one when the checkpoint has a distilla
 `--num-heads`. `--arch` names the timm architecture to build instead (its heads are used unless `--num-heads` is
 given). Our own export carries its config.json and needs none of them. The classifier head, if any, is kept;
 decoder, mask token and other non-encoder tensors are dropped and listed in the manifest.
+
+A hybrid ViT's weights (timm's `vit_*_r*` layout) are told by the ResNetV2 in front (`model.hybrid_backbone`
+resnet_stem, r26 or r50, from its stages), whose stride gives the image size. T2T-ViT and VT-ResNet weights in our
+layout (core/t2t_vit.py, core/vt.py; told by `tokens_to_token.*` and `layer4.*.transformer.*` keys) are converted the
+same way: the structure is read from the weights and matched to a registered variant (`t2t_vit_14` ...
+`t2t_vit_t_24`, `vt_resnet18` ... `vt_resnet101`; a T2T-ViT of another width needs `--num-heads`). What the weights
+cannot show takes the variant's default: T2T's image size (224 px; its position table is fixed, never stored, and
+rebuilt for any size) and pooling (class token).
 """
 
 from __future__ import annotations
@@ -22,9 +30,12 @@ import timm
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import VisionTransformer
+from torch import nn
 
 from core.engine.export import export_model
-from core.models import vit_model_args
+from core.models import HYBRID_ARCHITECTURES, HYBRID_STRIDES, model_args
+from core.t2t_vit import VARIANTS as T2T_VARIANTS
+from core.vt import VARIANTS as VT_VARIANTS
 from finetune.checkpoints import Checkpoint, has_module, read_checkpoint
 from finetune.handoff import LoadReport, load_encoder
 
@@ -95,7 +106,8 @@ def convert(
     """
     ckpt = read_checkpoint(src, trust=trust_checkpoint)
     model = _build_model(ckpt, arch, num_heads).eval()
-    keep_head = isinstance(model.head, torch.nn.Linear)
+    # DeiT's get_classifier() is a pair (head, head_dist); VT-ResNet's classifier is `fc`.
+    keep_head = isinstance(model.head if hasattr(model, "head") else model.get_classifier(), nn.Linear)
     report = load_encoder(model, src, head_init="keep", trust_checkpoint=trust_checkpoint, keep_head=keep_head)
     manifest = {
         "method": "convert",
@@ -108,7 +120,7 @@ def convert(
         manifest["source_manifest"] = ckpt.manifest
     imagenet = {"mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD}
     data_config = imagenet if ckpt.format in IMAGENET_FORMATS else None
-    export_model(model, dst, model_args=vit_model_args(model), manifest=manifest, data_config=data_config)
+    export_model(model, dst, model_args=model_args(model), manifest=manifest, data_config=data_config)
     return report
 
 
@@ -143,17 +155,29 @@ def infer_vit_args(state: dict[str, torch.Tensor]) -> dict:
     return args
 
 
-def _build_model(ckpt: Checkpoint, arch: str | None, num_heads: int | None) -> VisionTransformer:
-    """Our export from its config.json; any other checkpoint as a timm ViT with the structure read from its weights
-    and the heads from `num_heads`, `arch` or the width, in that order."""
+def _build_model(ckpt: Checkpoint, arch: str | None, num_heads: int | None) -> nn.Module:
+    """Our export from its config.json; a T2T-ViT or VT-ResNet as the variant its weights match; any other
+    checkpoint as a timm ViT with the structure read from its weights and the heads from `num_heads`, `arch` or the
+    width, in that order."""
     if arch is None and num_heads is None and ckpt.format == "mimpipe-export":
         return timm.create_model(f"local-dir:{ckpt.source.parent}", pretrained=False)
+    if "tokens_to_token.project.weight" in ckpt.state:
+        return _build_family(ckpt, arch, *infer_t2t_args(ckpt.state, num_heads), T2T_VARIANTS)
+    if "layer4.0.transformer.fc1.weight" in ckpt.state:
+        if num_heads is not None:
+            raise ValueError("--num-heads does not apply to VT-ResNet (its token transformer has one head)")
+        return _build_family(ckpt, arch, *infer_vt_args(ckpt.state), VT_VARIANTS)
     args = infer_vit_args(ckpt.state)
+    hybrid = infer_hybrid_backbone(ckpt.state)
+    if hybrid is not None:  # the patch embedding reads the backbone's feature map, not the image
+        in_chans, stride = hybrid[1], HYBRID_STRIDES[hybrid[0]]
+        args.update(in_chans=in_chans, img_size=tuple(side * stride for side in args["img_size"]))
     width = args["embed_dim"]
     if num_heads is not None and (num_heads < 1 or width % num_heads):
         raise ValueError(f"--num-heads {num_heads} does not divide {ckpt.source}'s width {width}")
     if arch is None:
         arch, num_heads = _default_arch(ckpt, width, distilled="dist_token" in ckpt.state, num_heads=num_heads)
+        arch = HYBRID_ARCHITECTURES[hybrid[0]][0] if hybrid is not None else arch
     if not timm.is_model(arch):
         raise ValueError(f"--arch {arch!r} is not a timm architecture")
     with torch.device("meta"):
@@ -192,3 +216,102 @@ def _default_arch(ckpt: Checkpoint, width: int, *, distilled: bool, num_heads: i
 def _suggested_heads(width: int) -> int:
     """The divisor of `width` whose head size is closest to 64."""
     return min((d for d in range(1, width + 1) if width % d == 0), key=lambda d: abs(width / d - 64))
+
+
+def infer_hybrid_backbone(state: dict[str, torch.Tensor]) -> tuple[str, int] | None:
+    """(`model.hybrid_backbone`, image channels) of a hybrid ViT's weights, told by its ResNetV2's stages; None for
+    a plain ViT.
+
+    Raises:
+        ValueError: ResNetV2 stages of none of `core.models.HYBRID_ARCHITECTURES`.
+    """
+    prefix = "patch_embed.backbone."
+    if "patch_embed.backbone.conv.weight" in state:  # the stem alone: (64, C, 7, 7)
+        return "resnet_stem", state["patch_embed.backbone.conv.weight"].shape[1]
+    if f"{prefix}stem.conv.weight" not in state:
+        return None
+    stages = sorted({int(k.split(".")[3]) for k in state if k.startswith(f"{prefix}stages.")})
+    blocks = tuple(len({k.split(".")[5] for k in state if k.startswith(f"{prefix}stages.{i}.blocks.")}) for i in stages)
+    backbone = {(2, 2, 2, 2): "r26", (3, 4, 9): "r50"}.get(blocks)
+    if backbone is None:
+        raise ValueError(
+            f"hybrid ViT weights whose ResNetV2 has {blocks} blocks per stage: not r26 (2, 2, 2, 2) or r50 (3, 4, 9)"
+        )
+    return backbone, state[f"{prefix}stem.conv.weight"].shape[1]
+
+
+def infer_t2t_args(state: dict[str, torch.Tensor], num_heads: int | None) -> tuple[str, dict]:
+    """(the registered T2T-ViT variant, its arguments) that the weights in our layout show (core/t2t_vit.py).
+
+    Raises:
+        ValueError: A backbone width of no variant without `num_heads`, or a `num_heads` that does not divide it.
+    """
+    performer = "tokens_to_token.layers.0.kqv.weight" in state
+    embed_dim = state["tokens_to_token.project.weight"].shape[0]  # (D, d * 3 * 3)
+    args = dict(
+        in_chans=state["tokens_to_token.layers.0.norm1.weight"].shape[0] // 7**2,  # the first 7x7 soft split
+        embed_dim=embed_dim,
+        depth=1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks.")),
+        mlp_ratio=state["blocks.0.mlp.fc1.weight"].shape[0] / embed_dim,
+        qkv_bias="blocks.0.attn.qkv.bias" in state,
+        token_dim=state["tokens_to_token.layers.0.proj.weight"].shape[0],
+        num_classes=state["head.weight"].shape[0] if "head.weight" in state else 0,
+    )
+    kind = "performer" if performer else "transformer"
+    same_kind = {name: v for name, v in T2T_VARIANTS.items() if v["t2t_kind"] == kind}
+    variant = next(
+        (n for n, v in same_kind.items() if (v["embed_dim"], v["depth"]) == (embed_dim, args["depth"])), None
+    )
+    by_width = next((v for v in same_kind.values() if v["embed_dim"] == embed_dim), None)
+    if num_heads is None and by_width is None:
+        widths = sorted({v["embed_dim"] for v in same_kind.values()})
+        raise ValueError(
+            f"T2T-ViT weights of width {embed_dim}, not a variant's ({', '.join(map(str, widths))}): their number "
+            f"of attention heads is unknown, pass --num-heads N (a divisor of {embed_dim})"
+        )
+    if num_heads is not None and (num_heads < 1 or embed_dim % num_heads):
+        raise ValueError(f"--num-heads {num_heads} does not divide the T2T-ViT width {embed_dim}")
+    args["num_heads"] = num_heads or by_width["num_heads"]
+    return variant or next(iter(same_kind)), args
+
+
+def infer_vt_args(state: dict[str, torch.Tensor]) -> tuple[str, dict]:
+    """(the registered VT-ResNet variant, its arguments) that the weights in our layout show (core/vt.py).
+
+    Raises:
+        ValueError: ResNet stages or VT modules that match no variant.
+    """
+    bottleneck = "layer1.0.conv3.weight" in state
+
+    def count(prefix: str) -> int:
+        return len({k.split(".")[1] for k in state if k.startswith(prefix + ".")})
+
+    layers, num_modules = tuple(count(f"layer{i}") for i in (1, 2, 3)), count("layer4")
+    variant = next(
+        (name for name, v in VT_VARIANTS.items() if (v["block"].expansion > 1, v["layers"], v["num_vt_modules"])
+         == (bottleneck, layers, num_modules)),
+        None,
+    )  # fmt: skip
+    if variant is None:
+        block = "Bottleneck" if bottleneck else "BasicBlock"
+        raise ValueError(
+            f"VT-ResNet weights with {block} stages of {layers} blocks and {num_modules} VT modules match no variant "
+            f"({', '.join(VT_VARIANTS)})"
+        )
+    args = dict(
+        in_chans=state["conv1.weight"].shape[1],
+        num_tokens=state["layer4.0.tokenizer.filters.weight"].shape[0],  # W_A: (L, C)
+        token_dim=state["layer4.0.transformer.fc1.weight"].shape[0],
+        num_classes=state["fc.weight"].shape[0] if "fc.weight" in state else 0,
+    )
+    return variant, args
+
+
+def _build_family(ckpt: Checkpoint, arch: str | None, variant: str, args: dict, variants: dict) -> nn.Module:
+    """The T2T-ViT or VT-ResNet `variant` (or `arch`, a variant of the same family) with `args`."""
+    family = "T2T-ViT" if variants is T2T_VARIANTS else "VT-ResNet"
+    if arch is not None and arch not in variants:
+        raise ValueError(
+            f"--arch {arch}: {ckpt.source} holds {family} weights, whose variants are {', '.join(variants)}"
+        )
+    return timm.create_model(arch or variant, pretrained=False, **args)

@@ -42,12 +42,12 @@ def check_init(cfg: Config, findings: Findings) -> None:
     if problems:
         findings.fail(
             "model.init",
-            f"{describe_vit(ckpt.state)} does not fit the recipe's model ({describe_vit(model.state_dict())}): "
+            f"{describe_encoder(ckpt.state)} does not fit the recipe's model ({describe_encoder(model.state_dict())}): "
             f"{len(problems)} keys differ, first {problems[0]}",
             file=ckpt.source,
         )
         return
-    findings.ok(f"model.init: {ckpt.format}, {describe_vit(ckpt.state)}")
+    findings.ok(f"model.init: {ckpt.format}, {describe_encoder(ckpt.state)}")
 
 
 def check_teacher(cfg: Config, findings: Findings) -> None:
@@ -59,7 +59,7 @@ def check_teacher(cfg: Config, findings: Findings) -> None:
     except ValueError as err:
         findings.fail("distill.teacher", str(err), file=teacher)
         return
-    findings.ok(f"distill.teacher: {ckpt.format}, {describe_vit(ckpt.state)}")
+    findings.ok(f"distill.teacher: {ckpt.format}, {describe_encoder(ckpt.state)}")
 
 
 def check_num_classes(cfg: Config, findings: Findings) -> None:
@@ -78,8 +78,15 @@ def check_num_classes(cfg: Config, findings: Findings) -> None:
         )
 
 
-def describe_vit(state: dict[str, torch.Tensor]) -> str:
-    """Width, depth and patch size read from a ViT state dict's shapes, e.g. 'ViT 768 wide, 12 blocks, patch 16x16'."""
-    kernel = state[PATCH_KERNEL].shape  # (D, C, ph, pw)
+def describe_encoder(state: dict[str, torch.Tensor]) -> str:
+    """The encoder a state dict holds, read from its shapes: 'ViT 768 wide, 12 blocks, patch 16x16', 'T2T-ViT 384
+    wide, 14 blocks' or 'VT-ResNet, tokens 1024 wide, 2 VT modules'."""
     depth = len({key.split(".")[1] for key in state if key.startswith("blocks.")})
-    return f"ViT {kernel[0]} wide, {depth} blocks, patch {kernel[-2]}x{kernel[-1]}"
+    if PATCH_KERNEL in state:  # a ViT or hybrid
+        kernel = state[PATCH_KERNEL].shape  # (D, C, ph, pw)
+        return f"ViT {kernel[0]} wide, {depth} blocks, patch {kernel[-2]}x{kernel[-1]}"
+    if "tokens_to_token.project.weight" in state:
+        return f"T2T-ViT {state['tokens_to_token.project.weight'].shape[0]} wide, {depth} blocks"
+    num_modules = len({key.split(".")[1] for key in state if key.startswith("layer4.")})
+    width = state["layer4.0.transformer.fc1.weight"].shape[0] if num_modules else "?"
+    return f"VT-ResNet, tokens {width} wide, {num_modules} VT modules"

@@ -1,8 +1,12 @@
 """Two fine-tuning variants that wrap the classifier: the linear probe (MAE) and an EMA of the weights.
 
-Linear probe: the encoder is frozen and the head becomes BatchNorm1d(affine=False) + Linear on the pooled features
-(cls token or average, from `model.global_pool`), trained with LARS or SGD. For export the batch norm, a fixed affine
-map in eval mode, is folded into the Linear (`fold_probe_head`), so the probe loads into a plain timm ViT.
+Linear probe: the encoder is frozen and the classifier (`head` of a ViT, hybrid or T2T-ViT; `fc` of VT-ResNet)
+becomes BatchNorm1d(affine=False) + Linear on the pooled features (cls token or average, from `model.global_pool`;
+VT-ResNet's average of its visual tokens), trained with LARS or SGD. An encoder with BatchNorm layers (VT-ResNet's
+ResNet stages) has them frozen too, running statistics included (timm's `FrozenBatchNorm2d`): in training mode a
+BatchNorm would normalise with each batch's statistics and move its running ones, so the features the probe learns
+on would not be the frozen encoder's. For export the batch norm of the probe, a fixed affine map in eval mode, is
+folded into the Linear (`fold_probe_head`), so the probe loads into the plain timm model.
 
 EMA: a frozen copy of the classifier whose weights follow `ema = decay * ema + (1 - decay) * weights` after every
 applied optimizer step. It lives inside the objective so DeepSpeed checkpoints and resumes it with the model (it has
@@ -15,34 +19,45 @@ from __future__ import annotations
 import copy
 
 import torch
-from timm.models import VisionTransformer
+from timm.layers import freeze_batch_norm_2d
 from torch import nn
 
 _BN_EPS = 1e-6  # MAE's linear-probe batch norm
+CLASSIFIER_NAMES = ("head", "fc")
+"""Where the timm models of `core.models.build_model` keep their Linear classifier (VT-ResNet: `fc`)."""
 
 
-def make_linear_probe(model: VisionTransformer) -> VisionTransformer:
-    """Freeze every encoder parameter and replace the head by BatchNorm1d(affine=False) + the existing Linear head."""
-    if not isinstance(model.head, nn.Linear):
-        raise ValueError(f"linear probe needs a Linear head, got {type(model.head).__name__}")
-    model.requires_grad_(False)
-    head = model.head
+def make_linear_probe(model: nn.Module) -> nn.Module:
+    """Freeze every encoder parameter (and BatchNorm statistics) and put BatchNorm1d(affine=False) before the
+    existing Linear classifier.
+
+    Raises:
+        ValueError: A model whose classifier is not a Linear named `head` or `fc`.
+    """
+    name = next((n for n in CLASSIFIER_NAMES if isinstance(getattr(model, n, None), nn.Linear)), None)
+    if name is None:
+        found = {n: type(getattr(model, n)).__name__ for n in CLASSIFIER_NAMES if hasattr(model, n)}
+        raise ValueError(f"linear probe needs a Linear classifier `head` or `fc`, got {found or 'neither'}")
+    head = getattr(model, name)
+    model = freeze_batch_norm_2d(model).requires_grad_(False)  # BatchNorm2d -> FrozenBatchNorm2d, same tensors
     head.requires_grad_(True)
-    model.head = nn.Sequential(nn.BatchNorm1d(head.in_features, affine=False, eps=_BN_EPS), head)
+    setattr(model, name, nn.Sequential(nn.BatchNorm1d(head.in_features, affine=False, eps=_BN_EPS), head))
     return model
 
 
 @torch.no_grad()
 def fold_probe_head(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A probe's state dict with its BatchNorm1d(affine=False) + Linear head (`head.0.*`, `head.1.*`) folded into the
-    equivalent single Linear (`head.weight`, `head.bias`) of a plain timm ViT; other state dicts are returned as is."""
-    if "head.1.weight" not in state_dict:
+    """A probe's state dict with its BatchNorm1d(affine=False) + Linear classifier (`head.0.*`, `head.1.*`, or
+    `fc.*` for VT-ResNet) folded into the equivalent single Linear (`head.weight`, `head.bias`) of the plain timm
+    model; other state dicts are returned as is."""
+    name = next((n for n in CLASSIFIER_NAMES if f"{n}.1.weight" in state_dict), None)
+    if name is None:
         return state_dict
-    out = {k: v for k, v in state_dict.items() if not k.startswith("head.")}
-    mean, var = state_dict["head.0.running_mean"], state_dict["head.0.running_var"]  # (D,)
-    weight = state_dict["head.1.weight"] * (var + _BN_EPS).rsqrt()  # (K, D)
-    out["head.weight"] = weight
-    out["head.bias"] = state_dict["head.1.bias"] - weight @ mean
+    out = {k: v for k, v in state_dict.items() if not k.startswith(f"{name}.")}
+    mean, var = state_dict[f"{name}.0.running_mean"], state_dict[f"{name}.0.running_var"]  # (D,)
+    weight = state_dict[f"{name}.1.weight"] * (var + _BN_EPS).rsqrt()  # (K, D)
+    out[f"{name}.weight"] = weight
+    out[f"{name}.bias"] = state_dict[f"{name}.1.bias"] - weight @ mean
     return out
 
 

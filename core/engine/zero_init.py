@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 
 import timm
 import torch
+from timm.layers import HybridEmbed
 from timm.models import named_apply
 from timm.models.vision_transformer import VisionTransformer, init_weights_vit_timm
 from torch import nn
@@ -65,7 +66,7 @@ def build_partitioned(build: Callable[[], nn.Module], ds_config: dict) -> tuple[
     redone: list[nn.Module] = []
     # No `dtype=`: DeepSpeed 0.19 ignores an explicit float32 on accelerators without fp16 (CPU) and picks bf16;
     # from the config it takes fp32 (our bf16 is autocast over fp32 weights) or fp16 with engine.precision fp16.
-    with deepspeed.zero.Init(config_dict_or_path=ds_config), _vit_init_redone(redone):
+    with deepspeed.zero.Init(config_dict_or_path=ds_config), _vit_init_redone(redone), _hybrid_probe_gathered():
         objective = build()
     vits = [m for m in objective.modules() if isinstance(m, VisionTransformer)]
     if len(redone) != len(vits):
@@ -95,3 +96,20 @@ def _vit_init_redone(redone: list[nn.Module]):
         yield
     finally:
         VisionTransformer.init_weights = original
+
+
+@contextlib.contextmanager
+def _hybrid_probe_gathered():
+    """Inside the block, timm's `HybridEmbed` sizes its token grid by running its ResNet backbone once on zeros while
+    it is constructed, after the backbone was partitioned: the backbone's weights are gathered for that forward."""
+    original = HybridEmbed._init_backbone
+
+    def init_backbone(self: HybridEmbed, *args, **kwargs):
+        with gathered(self.backbone.parameters()):
+            return original(self, *args, **kwargs)
+
+    HybridEmbed._init_backbone = init_backbone
+    try:
+        yield
+    finally:
+        HybridEmbed._init_backbone = original

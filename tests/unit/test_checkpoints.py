@@ -354,3 +354,102 @@ def test_convert_refuses_untrusted_pickle(tmp_path, capsys):
 
     err = capsys.readouterr().err
     assert str(tmp_path / "mae.pth") in err and "--trust-checkpoint" in err
+
+
+def _encoder(arch: str, **kwargs):
+    torch.manual_seed(0)
+    widths = {"embed_dim": 32, "depth": 2, "num_heads": 4} if arch.startswith("t2t") else {"token_dim": 64}
+    return timm.create_model(arch, img_size=IMG, num_classes=3, **{**widths, **kwargs}).eval()
+
+
+@pytest.mark.parametrize("source_kind", ["state dict", "export"])
+@pytest.mark.parametrize(("arch", "flags"), [("t2t_vit_14", ["--num-heads", "4"]), ("vt_resnet34", [])])
+def test_convert_t2t_and_vt_weights_round_trip_through_timm(tmp_path, capsys, source_kind, arch, flags):
+    """The structure (Performer T2T layers, depth, width, token width; VT's ResNet stages, VT modules, classes) is
+    read from the weights: the rebuilt model gives the source's outputs exactly, BatchNorm statistics included."""
+    import core.models  # noqa: F401  (registers t2t_vit_* and vt_resnet*)
+    from core.models import model_args
+
+    source = _encoder(arch)
+    if arch.startswith("vt"):  # running statistics that are not the defaults, so the test sees them carried over
+        source.train()(torch.randn(4, 3, IMG, IMG))
+        source.eval()
+    path = tmp_path / ("export" if source_kind == "export" else "weights.safetensors")
+    if source_kind == "export":
+        export_model(source, path, model_args=model_args(source), manifest={"method": "test"})
+        flags = []  # its config.json says everything
+    else:
+        safetensors.torch.save_file(state_of(source), path)
+
+    assert convert_main([str(path), str(tmp_path / "out"), *flags]) == 0
+
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architecture"] == arch
+    # T2T-ViT weights do not show the image size (the position table is fixed): a state dict converts at the
+    # variant's 224 px, and timm rebuilds the table for the size it is asked for.
+    resized = {"img_size": IMG} if arch.startswith("t2t") and source_kind == "state dict" else {}
+    if resized:
+        assert "img_size" not in config["model_args"]  # the variant's default
+    rebuilt = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True, **resized).eval()
+    assert type(rebuilt) is type(source)
+    x = torch.randn(2, 3, IMG, IMG)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(x), source(x), rtol=0, atol=0)
+    assert json.loads((tmp_path / "out" / "mimpipe.json").read_text())["pooling_hint"] == source.global_pool
+
+
+@pytest.mark.parametrize(
+    ("arch", "flags", "expected"),
+    [
+        ("t2t_vit_14", [], "T2T-ViT weights of width 32, not a variant's (384, 448, 512): their number of attention"),
+        ("t2t_vit_14", ["--num-heads", "5"], "--num-heads 5 does not divide the T2T-ViT width 32"),
+        ("t2t_vit_t_14", ["--num-heads", "4", "--arch", "vt_resnet18"], "holds T2T-ViT weights, whose variants"),
+        ("vt_resnet18", ["--num-heads", "4"], "--num-heads does not apply to VT-ResNet"),
+    ],
+)
+def test_convert_t2t_and_vt_errors_name_the_problem(tmp_path, capsys, arch, flags, expected):
+    import core.models  # noqa: F401
+
+    safetensors.torch.save_file(state_of(_encoder(arch)), tmp_path / "weights.safetensors")
+
+    assert convert_main([str(tmp_path / "weights.safetensors"), str(tmp_path / "out"), *flags]) == 2
+
+    assert expected in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_convert_vt_of_no_variant_names_its_stages(tmp_path, capsys):
+    import core.models  # noqa: F401
+
+    state = state_of(_encoder("vt_resnet18"))
+    state = {k: v for k, v in state.items() if not k.startswith("layer3.1.")}  # one block short of ResNet-18's stage
+    safetensors.torch.save_file(state, tmp_path / "weights.safetensors")
+
+    assert convert_main([str(tmp_path / "weights.safetensors"), str(tmp_path / "out")]) == 2
+
+    assert "BasicBlock stages of (2, 2, 1) blocks and 2 VT modules match no variant" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("backbone", "img_size", "arch"),
+    [("resnet_stem", 32, "vit_tiny_r_s16_p8_224"), ("r26", 64, "vit_small_r26_s32_224")],
+)
+def test_convert_hybrid_state_dict_reads_its_backbone_and_image_size(tmp_path, backbone, img_size, arch):
+    """A hybrid's patch embedding reads the ResNetV2's feature map: the backbone is told by its stages, and the image
+    size is the position grid x the patch x the backbone's stride (resnet_stem 4, r26 32)."""
+    from core.models import build_vit
+
+    torch.manual_seed(0)
+    source = build_vit(
+        "tiny", img_size=img_size, patch_size=2 if backbone == "resnet_stem" else 1, embed_dim=192, depth=1,
+        num_heads=3, num_classes=3, hybrid_backbone=backbone,
+    ).eval()  # fmt: skip
+    torch.save(state_of(source), tmp_path / "hybrid.pth")
+
+    assert convert_main([str(tmp_path / "hybrid.pth"), str(tmp_path / "out")]) == 0  # width 192: timm's 3 heads
+
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architecture"] == arch and config["model_args"]["img_size"] == [img_size, img_size]
+    rebuilt = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
+    x = torch.randn(2, 3, img_size, img_size)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(x), source(x), rtol=0, atol=0)

@@ -113,8 +113,6 @@ def test_unit_masks_cover_whole_units_with_ceil_of_the_ratio():
         (["model.arch=vit_hybrid", "model.hybrid_backbone=r50", "model.patch_size=1", "model.img_size=40"], "16"),
         (["model.arch=t2t_vit", "engine.activation_checkpointing=true", "objective.kind=simmim"], "vit_hybrid"),
         (["stage=finetune", "model.arch=vt_resnet", "model.global_pool=token"], "averages its visual tokens"),
-        (["model.arch=t2t_vit", "objective.kind=simmim", "engine.zero_stage=3"], "use zero_stage 2"),
-        (["stage=finetune", "model.arch=vt_resnet", "objective.mode=linear_probe"], "needs a model with a `head`"),
         (["stage=finetune", "model.arch=vit_hybrid", "distill.kind=soft", "distill.teacher=x"], "distill needs"),
     ],
 )
@@ -201,3 +199,15 @@ def test_simmim_reconstruction_picture_shows_four_panels_per_image():
     picture = draw(cfg, batch, out)
     assert tag == "train/reconstruction" and picture.shape[0] == 3
     assert picture.min() >= 0 and picture.max() <= 1 and picture.shape[2] > picture.shape[1]  # 4 panels wide
+
+
+def test_preflight_describes_every_encoder_from_its_shapes():
+    """`model.init` is described by `launch.sh`'s pre-flight from the checkpoint's shapes, whatever the arch."""
+    from finetune.preflight import describe_encoder
+
+    t2t = timm.create_model("t2t_vit_t_14", img_size=32, embed_dim=32, depth=3, num_heads=2)
+    vt = timm.create_model("vt_resnet34", token_dim=64)
+    hybrid = build_model(finetune_cfg("vit_hybrid", 32))
+    assert describe_encoder(t2t.state_dict()) == "T2T-ViT 32 wide, 3 blocks"
+    assert describe_encoder(vt.state_dict()) == "VT-ResNet, tokens 64 wide, 3 VT modules"
+    assert describe_encoder(hybrid.state_dict()) == "ViT 32 wide, 2 blocks, patch 2x2"  # on the feature map

@@ -38,6 +38,46 @@ def test_linear_probe_trains_only_the_head_and_folds_exactly():
     torch.testing.assert_close(plain(images), model(images), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("arch", "classifier"), [("t2t_vit_t_14", "head"), ("vt_resnet18", "fc")], ids=["t2t_vit", "vt_resnet"]
+)
+def test_linear_probe_on_the_other_encoders_freezes_batch_norm_statistics_and_folds(arch, classifier):
+    """VT-ResNet's ResNet stages have BatchNorm: in the probe they normalise with their frozen running statistics,
+    which training steps leave alone, so the probe's training features are the ones it is evaluated on."""
+    widths = {"embed_dim": 32, "depth": 1, "num_heads": 2} if arch.startswith("t2t") else {"token_dim": 32}
+    torch.manual_seed(0)
+    model = make_linear_probe(timm.create_model(arch, img_size=32, num_classes=5, **widths))
+    objective = Classification(model).train()
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith(f"{classifier}.")}
+    optimizer = torch.optim.SGD([p for p in objective.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    for _ in range(3):
+        batch = {"image": 3 * torch.randn(8, 3, 32, 32) + 1, "label": torch.randint(0, 5, (8,))}  # far from N(0, 1)
+        objective(batch)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in frozen.items())  # weights and running statistics
+    assert {n for n, p in objective.named_parameters() if p.requires_grad} == {
+        f"model.{classifier}.1.weight",
+        f"model.{classifier}.1.bias",
+    }
+    images = torch.randn(4, 3, 32, 32)
+    train_logits = model(images)  # training mode: only the probe's own BatchNorm1d uses the batch statistics
+    model.eval()
+    plain = timm.create_model(arch, img_size=32, num_classes=5, **widths).eval()
+    plain.load_state_dict(fold_probe_head(model.state_dict()), strict=True)
+    torch.testing.assert_close(plain(images), model(images), rtol=1e-4, atol=1e-5)
+    features = plain.forward_head(plain.forward_features(images), pre_logits=True)  # the frozen encoder's, in eval
+    torch.testing.assert_close(model.forward_head(model.forward_features(images), pre_logits=True), features)
+    assert not torch.allclose(train_logits, model(images))  # the probe's BatchNorm1d does change with the mode
+
+
+def test_linear_probe_names_a_model_without_a_linear_classifier():
+    with pytest.raises(
+        ValueError, match="linear probe needs a Linear classifier `head` or `fc`, got {'head': 'Identity'}"
+    ):
+        make_linear_probe(tiny_vit(num_classes=0))
+
+
 def test_ema_follows_the_hand_computed_average():
     model = torch.nn.Linear(2, 1)
     ema = WeightEMA(model, decay=0.75)
