@@ -175,11 +175,11 @@ def plot(results: dict, path: Path) -> str:
         ]
         if points:
             left.plot(*zip(*points, strict=True), marker="o", label=NAMES[encoder].split(" (")[0])
-        curves = [r["metrics"]["knn"] for (_, e, a), r in sorted(results.items()) if (e, a) == (encoder, "pretrain")]
-        for seed, curve in enumerate(c for c in curves if c):
-            right.plot(
-                *zip(*curve, strict=True), marker=".", label=f"{encoder} seed {seed}" if len(curves) > 1 else encoder
-            )
+        curves = {s: r["metrics"]["knn"] for (s, e, a), r in sorted(results.items()) if (e, a) == (encoder, "pretrain")}
+        for seed, curve in curves.items():
+            if curve:
+                label = f"{encoder} seed {seed}" if len(curves) > 1 else encoder
+                right.plot(*zip(*curve, strict=True), marker=".", label=label)
     reference = [(FINETUNE_ARMS[a], REFERENCE[a]) for a in FINETUNE_ARMS]
     left.plot(*zip(*reference, strict=True), "k--", marker="x", label="official MAE (issue's reference)")
     left.set(xscale="log", xlabel="fraction of training labels", ylabel="test top-1", title="fine-tuning")
