@@ -61,7 +61,7 @@ def test_plan_chains_exports_tokenizer_and_subsets(tmp_path):
     )
     assert one_pct.requires == export and by_name["seed3/scratch/ft_full"].requires is None
     assert not any(o.startswith("model.init") for o in by_name["seed3/scratch/probe"].overrides)
-    for arm in arms[:-1]:  # every launched arm's overrides load over its recipe
+    for arm in arms:  # every launched arm's overrides load over its recipe
         if arm.kind != "probe":
             load_config(arm.recipe, list(arm.overrides))
 
