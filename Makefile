@@ -1,5 +1,5 @@
 # mimpipe: make quickstart | make test | make lint | make bench | make bench-memory | make bench-data |
-#         make smoke-recipes | make encoders-table
+#         make smoke-recipes | make encoders-table | make bench-quality
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
@@ -8,7 +8,7 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: install quickstart quickstart-beit quickstart-data test test-unit test-dist lint format bench bench-memory \
-	bench-data smoke-recipes encoders-table
+	bench-data smoke-recipes encoders-table bench-quality
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -93,3 +93,9 @@ encoders-table: quickstart-data
 # (torchvision PIL) and the new (data/transforms.py CropFlip) transform, on generated ImageNet-like JPEGs (~10 minutes).
 bench-data: install
 	$(PY) benchmarks/bench_data.py
+
+# Representation quality (issue 14): MAE, BEiT-style, ViT-paper MPP and SimMIM pretraining of one ViT, then 1% / 10% /
+# full-label fine-tuning and an L-BFGS linear probe of each encoder and of scratch (recipes/bench/): hours on 2 cores,
+# resumable (a finished arm is skipped). benchmarks/results/quality.md + quality.png. QUALITY_ARGS: e.g. --scale 0.02.
+bench-quality: quickstart-data
+	$(PY) benchmarks/bench_quality.py --shards $(SHARDS) $(QUALITY_ARGS)
