@@ -1,128 +1,143 @@
-"""Eager against compiled (`engine.compile`) on the quickstart recipes, side by side in one run.
+"""Eager against compiled blocks (`engine.compile`) on the quickstart models, side by side in one process.
 
-Each run is the real recipe through ./launch.sh (one process), shortened to `--steps` optimizer steps, in a fresh
-run_dir; compiled runs get a fresh, empty inductor cache (TORCHINDUCTOR_CACHE_DIR), so their first step holds a cold
-compile, as the first `make quickstart` on a machine sees it; a second, short compiled run then reuses that cache
-(warm). Runs alternate eager / compiled over `--rounds`. From each run's launch log and metrics.jsonl:
+The objectives are the quickstart recipes' own (`recipes/quickstart_finetune.yaml`: the 128-wide 4-block ViT
+classifier at 32 px, batch 64; `recipes/quickstart.yaml`: MAE on it at 28 px with its 96-wide 2-block decoder, batch
+256), built as the stages build them, trained in a plain loop (bf16 autocast, AdamW) on in-memory random batches, so
+the timing is the model step alone, without the engine's and the data path's costs (the same in both modes). Two
+copies with the same weights, one with `compile_blocks`, run alternately `--steps` steps at a time over `--rounds`
+rounds, so that a busy machine slows both alike; the per-step median of each is reported.
 
-- first step: wall seconds of step 1 and the torch.compile seconds inside it (the launch log's `first step` line);
-- steady steps/s: optimizer steps per second over the logging windows after `--warmup` steps (no evaluation in them);
-- full recipe: first step + the recipe's remaining steps at the steady rate: the training part of `make quickstart`
-  with the compile time counted (start-up and evaluation come on top, alike for both);
-- run wall: the whole shortened run, start-up and fine-tuning's final evaluation (compiled: its compile too)
-  included.
+The compiled copy's first step holds the compile: cold when TORCHINDUCTOR_CACHE_DIR (set here to `--cache-dir`) is
+empty, warm when an earlier run with the same thread count filled it (the kernels are keyed by it too). From both:
+the steps/s after warm-up, and the time of the quickstart's training steps (2000 / 700) with the compile counted:
+first step + the other steps at the median rate.
 
-    .venv/bin/python benchmarks/bench_compile.py --shards shards/quickstart --init runs/quickstart/export \\
-        --out benchmarks/results/compile.md
+    .venv/bin/python benchmarks/bench_compile.py --cache-dir /tmp/inductor_cold     # cold: an empty directory
+    .venv/bin/python benchmarks/bench_compile.py --cache-dir /tmp/inductor_cold     # again: warm
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
-import subprocess
-import sys
-import tempfile
+import statistics
 import time
 from pathlib import Path
 
-from benchmarks.workers import REPO, machine_lines
-
-RECIPES = {  # recipe, full steps, overrides for the shortened run
-    "finetune": ("recipes/quickstart_finetune.yaml", 2000, ["eval.every_steps=0"]),
-    "pretrain": ("recipes/quickstart.yaml", 700, ["eval.knn.enabled=false", "logging.image_every_steps=0"]),
-}
+RECIPES = {"finetune": ("recipes/quickstart_finetune.yaml", 2000), "pretrain": ("recipes/quickstart.yaml", 700)}
 
 
-def run_once(stage: str, compiled: bool, args, work: Path, tag: str, cache: Path | None, steps: int) -> dict:
-    recipe, _, extra = RECIPES[stage]
-    run_dir = work / f"{stage}_{tag}"
-    shards = Path(args.shards).resolve()
-    overrides = [
-        f"run_dir={run_dir}",
-        f"schedule.steps={steps}",
-        f"engine.compile={str(compiled).lower()}",
-        f"data.train={shards / 'train'}",
-        "logging.every_steps=25",
-        "checkpoint.every_steps=100000",
-        "checkpoint.export_at_end=false",
-        *extra,
-    ]
+def build(stage: str):
+    """(objective, batch function) of the recipe, as the stage builds it (no weights loaded: speed only)."""
+    import torch
+
+    from core.config import load_config
+    from core.models import build_model
+    from pretrain.objectives import objective_builder
+
+    cfg = load_config(RECIPES[stage][0], ["model.init=null"] if stage == "finetune" else [])
+    batch, size = cfg.data.global_batch_size, cfg.model.img_size
     if stage == "finetune":
-        overrides += [f"data.val={shards / 'test'}", f"model.init={Path(args.init).resolve()}"]
-    env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "1", "PYTHONPATH": str(REPO)}
-    if cache is not None:
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [str(REPO / "launch.sh"), recipe, *overrides], cwd=REPO, env=env, capture_output=True, text=True
-    )
-    wall = time.perf_counter() - start
-    if proc.returncode:
-        raise RuntimeError(f"{stage} {tag}: exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-3000:]}")
-    first = re.search(r"first step: ([\d.]+) s(?:, ([\d.]+) s of it torch.compile)?", proc.stdout)
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rates = [m for m in metrics if "perf/images_per_sec" in m and m["step"] > args.warmup]
-    per_step = [m["perf/images_per_sec"] for m in rates]
-    return {
-        "first_s": float(first.group(1)),
-        "compile_s": float(first.group(2) or 0),
-        "images_per_sec": sorted(per_step)[len(per_step) // 2],
-        "wall_s": wall,
-    }
+        from finetune.classification import Classification
+
+        objective = Classification(build_model(cfg, num_classes=10), label_smoothing=0.1)
+        labels = torch.arange(batch) % 10
+        return objective, lambda g: {"image": torch.randn(batch, 3, size, size, generator=g), "label": labels}
+    objective = objective_builder(cfg)()
+    return objective, lambda g: {"image": torch.randn(batch, 3, size, size, generator=g)}
+
+
+def measure(stage: str, steps: int, rounds: int) -> dict:
+    import copy
+
+    import torch
+
+    from core.engine.compiled import compile_blocks, compile_seconds
+    from core.engine.setup import set_attention
+
+    torch.manual_seed(0)
+    eager, batches = build(stage)
+    set_attention(eager, "auto", torch.device("cpu"))
+    compiled = copy.deepcopy(eager)
+    batch_size = batches(torch.Generator())["image"].shape[0]
+    compile_blocks(compiled, {batch_size})
+    runs = {"eager": eager, "compiled": compiled}
+    optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for k, m in runs.items()}
+    gen = torch.Generator().manual_seed(1)
+
+    def step(kind: str) -> float:
+        batch = batches(gen)
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = runs[kind](batch)["loss"]
+        loss.backward()
+        optimizers[kind].step()
+        optimizers[kind].zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    before = compile_seconds()
+    first = {kind: step(kind) for kind in ("eager", "compiled")}
+    compiling = compile_seconds() - before
+    times = {kind: [] for kind in runs}
+    for r in range(rounds):
+        for kind in ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager"):
+            times[kind] += [step(kind) for _ in range(steps)]
+    return {"first": first, "compile": compiling, "median": {k: statistics.median(v) for k, v in times.items()}}
+
+
+def report(stage: str, res: dict, total_steps: int) -> list[str]:
+    rows = []
+    for kind in ("eager", "compiled"):
+        per_step = res["median"][kind]
+        total = res["first"][kind] + (total_steps - 1) * per_step
+        compile_s = f"{res['compile']:.1f}" if kind == "compiled" else "-"
+        rows.append(
+            f"| {stage} | {kind} | {res['first'][kind]:.1f} | {compile_s} | {1 / per_step:.2f} | "
+            f"{total / 60:.2f} min ({total_steps} steps) |"
+        )
+    ratio = res["median"]["eager"] / res["median"]["compiled"]
+    rows.append(f"| {stage} | compiled / eager | | | {ratio:.2f}x | |")
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", required=True, help="the quickstart shards (train/ and test/)")
-    parser.add_argument("--init", required=True, help="the quickstart pretraining export, for fine-tuning")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per timed run")
-    parser.add_argument("--warmup", type=int, default=50, help="steps left out of the steady rate")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--cache-dir", required=True, help="TORCHINDUCTOR_CACHE_DIR for this run (empty: cold)")
     parser.add_argument("--stages", default="finetune,pretrain")
-    parser.add_argument("--out", default=None, help="write the markdown table here")
+    parser.add_argument("--steps", type=int, default=10, help="steps per mode per round")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", default=None, help="append the markdown table here")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench_compile_"))
-    rows = []
-    for stage in args.stages.split(","):
-        _, full, _ = RECIPES[stage]
-        batch = 64 if stage == "finetune" else 256
-        for r in range(args.rounds):
-            order = (False, True) if r % 2 == 0 else (True, False)
-            for compiled in order:
-                cache = work / f"inductor_{stage}_{r}" if compiled else None
-                tag = f"{'compiled' if compiled else 'eager'}_{r}"
-                res = run_once(stage, compiled, args, work, tag, cache, args.steps)
-                rows.append((stage, tag + (" (cold cache)" if compiled else ""), res, batch, full))
-                print(stage, tag, res, flush=True)
-                if compiled:
-                    warm = run_once(stage, True, args, work, tag + "_warm", cache, args.warmup + 50)
-                    rows.append((stage, tag + " (warm cache)", warm, batch, full))
-                    print(stage, tag, "warm", warm, flush=True)
-    table = format_table(rows, args)
-    print(table)
-    if args.out:
-        Path(args.out).write_text("\n".join(machine_lines(os.cpu_count() or 1)) + "\n\n" + table + "\n")
+    cache = Path(args.cache_dir)
+    state = "not empty" if cache.exists() and any(cache.iterdir()) else "empty"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # before inductor reads it
 
+    import torch
 
-def format_table(rows, args) -> str:
+    from benchmarks.workers import machine_lines
+
     lines = [
-        f"`benchmarks/bench_compile.py --steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}`",
+        *machine_lines(torch.get_num_threads()),
         "",
-        "| recipe | run | first step s | of it compile s | steady images/s | steady steps/s | "
-        "first step + full recipe's steps at the steady rate | run wall s |",
-        "|---|---|---|---|---|---|---|---|",
+        f"`benchmarks/bench_compile.py --steps {args.steps} --rounds {args.rounds}`, inductor cache {cache} {state} "
+        "before the run; "
+        f"load average {os.getloadavg()[0]:.1f} at the start",
+        "",
+        "| recipe | mode | first step s | of it compile s | steps/s after warm-up | first step + the rest at that "
+        "rate |",
+        "|---|---|---|---|---|---|",
     ]
-    for stage, tag, res, batch, full in rows:
-        steps_per_sec = res["images_per_sec"] / batch
-        total = res["first_s"] + (full - 1) / steps_per_sec
-        lines.append(
-            f"| {stage} | {tag} | {res['first_s']:.1f} | {res['compile_s']:.1f} | {res['images_per_sec']:.0f} | "
-            f"{steps_per_sec:.2f} | {total / 60:.1f} min ({full} steps) | {res['wall_s']:.0f} |"
-        )
-    return "\n".join(lines)
+    for stage in args.stages.split(","):
+        torch._dynamo.reset()
+        res = measure(stage, args.steps, args.rounds)
+        lines += report(stage, res, RECIPES[stage][1])
+        print("\n".join(lines[-3:]), flush=True)
+    lines.append(f"\nload average {os.getloadavg()[0]:.1f} at the end")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as out:
+            out.write(text + "\n\n")
 
 
 if __name__ == "__main__":
