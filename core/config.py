@@ -144,9 +144,10 @@ class EngineConfig(Section):
     unknown GPU logs no mfu), on CPU a matmul in the run's precision measured at start-up."""
 
     compile: bool = False
-    """Compile the objective's repeated blocks (encoder and decoder `blocks`) with torch.compile (inductor), once
-    per block shape: the first step pays the compile (reported in the launch log, kept out of perf/images_per_sec
-    and perf/mfu). ZeRO 0-2 (core/engine/compiled.py, README "Performance")."""
+    """Compile the objective's repeated blocks (encoder `blocks`, MAE's `decoder_blocks`) with torch.compile
+    (inductor), once per block shape: the first step pays the compile (reported in the launch log, kept out of
+    perf/images_per_sec and perf/mfu). ZeRO 0-2. Off by default: on 2 CPU cores the quickstart's steps gained at most
+    9% and the compile cost more than that saves (core/engine/compiled.py, README "Compiled steps")."""
 
     @model_validator(mode="after")
     def _check_offload(self) -> EngineConfig:
