@@ -94,6 +94,27 @@ def test_evaluation_compiles_once_and_other_batch_sizes_run_eagerly():
     assert counter.graphs == 3
 
 
+def test_activation_checkpointing_recomputes_the_compiled_blocks_with_eager_losses():
+    runs, counter = [], GraphCounter()
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        objective = _mae(depth=2)
+        objective.encoder.set_grad_checkpointing(True)  # engine.activation_checkpointing
+        if compiled:
+            compile_blocks(objective, {8}, backend=counter)
+        losses = []
+        for seed in range(3):
+            torch.manual_seed(seed)  # the same masks in both
+            losses.append(_train_step(objective, {"image": _images(8, seed)}))
+        runs.append((objective, torch.stack(losses)))
+    (eager, want), (compiled, got) = runs
+    assert (counter.graphs, counter.backward_graphs) == (2, 2)  # the recomputation compiles nothing more
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-3, rtol=1e-2, msg=name)
+
+
 def _beit() -> MaskedPatchPrediction:
     norm = dict(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
     return MaskedPatchPrediction(tiny_vit(0).train(), MeanColor3Bit((4, 4), **norm))
