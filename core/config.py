@@ -111,6 +111,15 @@ class ScheduleConfig(Section):
         return self
 
 
+ZERO3_COMPILE_REASON = (
+    "engine.compile does not work with engine.zero_stage 3: DeepSpeed 0.19 gathers and releases each block's "
+    "partitioned weights in module hooks that run inside the compiled block call, where torch.compile breaks the "
+    "graph at every hook (DeepSpeed's nvtx-wrapped hooks are skipped by dynamo, its pre-backward autograd.Function "
+    "cannot be traced) and recompiles them on every step (each call hands it a new function object); use ZeRO 0-2 "
+    "with engine.compile, or ZeRO-3 eagerly"
+)
+
+
 class EngineConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 1
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -134,8 +143,16 @@ class EngineConfig(Section):
     (H100, H200, A100, A10, L4, V100; see core/engine/utilisation.py; fp32 runs are measured against it too; an
     unknown GPU logs no mfu), on CPU a matmul in the run's precision measured at start-up."""
 
+    compile: bool = False
+    """Compile the objective's repeated blocks (encoder `blocks`, MAE's `decoder_blocks`) with torch.compile
+    (inductor), once per block shape: the first step pays the compile (reported in the launch log, kept out of
+    perf/images_per_sec and perf/mfu). ZeRO 0-2. Off by default: on 2 CPU cores the quickstart's steps gained at most
+    9% and the compile cost more than that saves (core/engine/compiled.py, README "Compiled steps")."""
+
     @model_validator(mode="after")
     def _check_offload(self) -> EngineConfig:
+        if self.compile and self.zero_stage == 3:
+            raise ValueError(ZERO3_COMPILE_REASON)
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise ValueError("engine.offload_optimizer needs engine.zero_stage 1, 2 or 3")
         if self.offload_param != "none" and self.zero_stage != 3:

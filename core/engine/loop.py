@@ -20,6 +20,7 @@ import torch
 from core.config import Config
 from core.engine import preempt
 from core.engine.checkpoint import RNGState, save_checkpoint
+from core.engine.compiled import compile_seconds
 from core.engine.distributed import all_reduce
 from core.engine.ds_compat import loss_scale, scales_loss_itself, skipped_steps
 from core.engine.schedule import lr_at
@@ -146,6 +147,8 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
     first_step = state.step + 1
     meter, batches = start_meter(run, engine.module, batches)
     for step in range(first_step, total_steps + 1):
+        if step == first_step:
+            first = _FirstStep.begin()
         lr = lr_at(
             step, peak_lr=cfg.peak_lr, min_lr=cfg.optim.min_lr, warmup_steps=warmup_steps, total_steps=total_steps
         )
@@ -174,6 +177,8 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
             if hooks.after_update is not None and not skip:
                 hooks.after_update(step)  # e.g. the EMA of the weights follows the update just applied
         window.add_step(step_loss / accum, micro_batch * accum * dist.world_size)
+        if step == first_step:
+            logger.console(first.end(window, excluded=not log_now))
         if log_now:
             grad_norm = _grad_norm(engine, optimizer, dist.world_size)
             values = window.flush(
@@ -245,6 +250,30 @@ def _agree_on_step(step_loss, precision: str, state: TrainState, cfg: Config, st
             f"them and the last checkpoint in checkpoints/latest is intact. Lower optim.base_lr or check the data."
         )
     return precision != "fp16", stop  # DeepSpeed's fp16 optimizer already skips overflowing steps itself
+
+
+@dataclass
+class _FirstStep:
+    """The first step's wall time and the compile time in it (torch.compile's, with `engine.compile`): one-off
+    costs, reported once and kept out of the throughput (perf/images_per_sec, perf/mfu)."""
+
+    start: float
+    compile_start: float
+
+    @classmethod
+    def begin(cls) -> _FirstStep:
+        return cls(time.perf_counter(), compile_seconds())
+
+    def end(self, window: _Window, *, excluded: bool) -> str:
+        """The launch-log line; with `excluded`, the throughput of `window` starts after this step (when the first
+        step is itself a logging step, its window is already flushed, with the step in it)."""
+        seconds = time.perf_counter() - self.start
+        compiling = compile_seconds() - self.compile_start
+        if excluded:  # the window holds this step alone: its time (and the set-up before it) starts afresh
+            window.start, window.samples, window.data_wait = time.perf_counter(), 0, 0.0
+        part = f", {compiling:.1f} s of it torch.compile" if compiling else ""
+        kept = "excluded from" if excluded else "included in"
+        return f"[mimpipe] first step: {seconds:.1f} s{part}; {kept} perf/images_per_sec and perf/mfu"
 
 
 class _Window:

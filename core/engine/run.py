@@ -17,6 +17,7 @@ from torch import nn
 from core.config import Config, dump_config, load_config
 from core.engine import preempt
 from core.engine.checkpoint import RNGState, find_resume, load_checkpoint, load_states
+from core.engine.compiled import describe_compiled
 from core.engine.distributed import DistInfo, init_distributed, shutdown
 from core.engine.ds_compat import is_partitioned, partition_report
 from core.engine.failure import log_tracebacks_to
@@ -95,6 +96,14 @@ def start_engine(run: StageRun, objective: nn.Module | Callable[[], nn.Module]):
     run.logger.console(
         launch_plan(cfg, dist, total_steps=run.total_steps, warmup_steps=run.warmup_steps, samples=run.samples)
     )
+    compiled = describe_compiled(engine.module)
+    if cfg.engine.compile:
+        run.logger.console(
+            f"[mimpipe] engine.compile: {compiled} compiled with inductor on the first step (other batch sizes run "
+            "eagerly)"
+            if compiled
+            else "[mimpipe] engine.compile: the objective has no transformer blocks to compile; it runs eagerly"
+        )
     if is_partitioned(engine.module):
         run.logger.console(f"[mimpipe] ZeRO-3 partitioned parameters: {partition_report(engine.module)}")
     if run.resume is not None:

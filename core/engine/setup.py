@@ -16,6 +16,7 @@ from torch import nn
 from core import timm_compat
 from core.config import Config
 from core.engine import ds_compat
+from core.engine.compiled import compile_batch_sizes, compile_blocks
 from core.engine.distributed import DistInfo
 from core.engine.zero3_runtime import gather_per_block, use_linear32
 from core.engine.zero_init import build_partitioned
@@ -222,6 +223,8 @@ def parallelize(
     if layout is None:
         objective.to(dist.device)  # zero.Init placed the partitions on the device already
     set_attention(objective, cfg.engine.attention, dist.device)
+    if cfg.engine.compile:
+        compile_blocks(objective, compile_batch_sizes(cfg, dist.world_size))
     optimizer = build_optimizer(objective, cfg, layout)
     if cfg.engine.zero_stage == 3:
         gather_per_block(objective)

@@ -1,0 +1,55 @@
+"""`engine.compile` in real processes: the tiny fine-tune (tests/launching.py `finetune_recipe`) from the tiny MAE
+export, 2 gloo processes at ZeRO-2 through ./launch.sh, compiled; evaluated at steps 2 and 4 on 203 samples (partial
+batches), resumed from step 2, exported for timm."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file
+
+import core.models  # noqa: F401  (registers the archs timm loads exports of)
+from tests.launching import finetune_recipe, launch, losses, read_metrics, write_recipe
+
+pytestmark = pytest.mark.dist
+
+
+def _launch(shards, run_dir: Path, init: Path) -> str:
+    recipe = finetune_recipe(shards, run_dir, init, zero_stage=2, compile=True)
+    recipe["checkpoint"] = {"every_steps": 2}
+    recipe["model"]["global_pool"] = "auto"  # the MAE export's pooling_hint says avg
+    proc = launch(write_recipe(run_dir.parent / "tiny_finetune_compiled.yaml", recipe))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout
+
+
+def test_compiled_finetune_evaluates_resumes_and_exports_for_timm(zero2_run, shards, tmp_path):
+    run_dir = tmp_path / "run"
+    output = _launch(shards, run_dir, zero2_run[0] / "export")
+    # 32 per step over 2 ranks and evaluation batches of 16: one batch size to compile for
+    assert "engine.compile: model.blocks (2) at batches 16 compiled with inductor" in output
+    first = re.search(r"first step: ([\d.]+) s, ([\d.]+) s of it torch.compile; excluded from perf", output)
+    assert first and 0 < float(first.group(2)) <= float(first.group(1))
+    evals = [m for m in read_metrics(run_dir) if "val/top1" in m]
+    assert [m["step"] for m in evals] == [2, 4] and all(m["val/samples"] == 203 for m in evals)
+    assert all(0.0 <= m["val/top1"] <= 1.0 and m["val/loss"] > 0 for m in evals)
+
+    resumed = tmp_path / "resumed"  # the same run, from its step-2 checkpoint
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")
+    shutil.rmtree(resumed / "export")
+    (resumed / "checkpoints" / "latest").write_text("step_00000002")
+    (resumed / "metrics.jsonl").write_text("")
+    output = _launch(shards, resumed, zero2_run[0] / "export")
+    assert "resumed from" in output
+    torch.testing.assert_close(losses(resumed)[4], losses(run_dir)[4], rtol=1e-5, atol=0)
+
+    state = load_file(run_dir / "export" / "model.safetensors")
+    assert not [key for key in state if "_orig_mod" in key]
+    model = timm.create_model(f"local-dir:{run_dir / 'export'}", pretrained=True)
+    model.load_state_dict(state, strict=True)  # every key of the export, and only those
