@@ -292,13 +292,13 @@ def _decode(
     """Decodes images to RGB and transforms them; samples with no image or a corrupt one are skipped, logged, counted.
 
     Sample `first_index + i` of the stream (counting samples with an image field) is transformed under RNGs
-    seeded from (*seed_prefix, index). Each output carries "num_corrupt": the samples skipped right before it,
-    and the label `label_of(sample)` gives.
+    seeded from (seed_prefix, index) (see `_sample_seed`). Each output carries "num_corrupt": the samples skipped
+    right before it, and the label `label_of(sample)` gives.
 
     Raises:
         LabelError: From `label_of`, for a sample whose label is missing or not an integer.
     """
-    num_corrupt, index = 0, first_index - 1
+    num_corrupt, index, stream_seed = 0, first_index - 1, _mix_seed(*seed_prefix)
     for sample in samples:
         key, url, field = sample["__key__"], sample["__url__"], image_field(sample)
         if field is None:
@@ -314,7 +314,7 @@ def _decode(
             log.warning("skipping corrupt image %s of sample %s in shard %s: %s", field, key, url, exn)
             num_corrupt += 1
             continue
-        _seed_global_rngs(_mix_seed(*seed_prefix, index))  # restored by _restore_global_rngs
+        _seed_global_rngs(_sample_seed(stream_seed, index))  # restored by _restore_global_rngs
         out = transform(image)
         fields = out if isinstance(out, dict) else {"image": out}
         yield {**fields, "label": label, "key": key, "num_corrupt": num_corrupt}
@@ -416,3 +416,15 @@ def _worker_position() -> tuple[int, int]:
 def _mix_seed(*parts: int) -> int:
     """A 64-bit seed mixed from non-negative integers (numpy's SeedSequence hashing)."""
     return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0])
+
+
+_MASK64 = 2**64 - 1
+
+
+def _sample_seed(stream_seed: int, index: int) -> int:
+    """The 64-bit seed of sample `index` of a stream: splitmix64's output of the stream's seed stepped `index + 1`
+    times. A SeedSequence per sample (`_mix_seed`) costs ~10 us, this well under 1 us; both decorrelate neighbours."""
+    z = (stream_seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)

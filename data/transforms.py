@@ -57,15 +57,16 @@ def finetune_train_transform(
     hflip: float = 0.5,
     auto_augment: str | None = None,
     re_prob: float = 0.0,
-) -> T.Compose:
+) -> "FinetuneCrop":
     """Fine-tuning augmentation (DeiT / MAE fine-tuning): timm's training pipeline for these options.
 
     Bicubic RandomResizedCrop over a wide area range, horizontal flip, an optional timm AutoAugment / RandAugment /
     AugMix policy, to tensor, normalize, then optional timm RandomErasing of one box with per-pixel N(0, 1) noise
     (in normalized units). This is `timm.data.create_transform(is_training=True, interpolation="bicubic",
-    re_mode="pixel", re_count=1)` with two differences, so that the policy-free transform stays crop + flip:
-    torchvision's RandomResizedCrop (same sampling, drawn from torch rather than python `random`) and no
-    ColorJitter (which timm adds by default only when no policy is given).
+    re_mode="pixel", re_count=1)` with three differences, so that the policy-free transform stays crop + flip and
+    costs what the pretraining crop does: torchvision's RandomResizedCrop draws (from torch rather than python
+    `random`), rendered by `CropFlip`'s tensor path (within a few levels of Pillow's), and no ColorJitter (which timm
+    adds by default only when no policy is given).
 
     Args:
         img_size: Output size, an int for square images or (height, width).
@@ -82,16 +83,9 @@ def finetune_train_transform(
     """
     if not 0.0 <= re_prob <= 1.0:
         raise ValueError(f"re_prob must be in [0, 1], got {re_prob}")
-    steps: list[Callable] = [
-        T.RandomResizedCrop(img_size, scale=scale, interpolation=T.InterpolationMode.BICUBIC),
-        T.RandomHorizontalFlip(hflip),
-    ]
-    if auto_augment:
-        steps.append(_augment_policy(auto_augment, min(to_2tuple(img_size)), mean))
-    steps += [T.ToTensor(), T.Normalize(mean, std)]
-    if re_prob > 0:
-        steps.append(RandomErasing(re_prob, mode="pixel", max_count=1, device="cpu"))
-    return T.Compose(steps)
+    policy = _augment_policy(auto_augment, min(to_2tuple(img_size)), mean) if auto_augment else None
+    erase = RandomErasing(re_prob, mode="pixel", max_count=1, device="cpu") if re_prob > 0 else None
+    return FinetuneCrop(View(img_size, T.InterpolationMode.BICUBIC, mean, std), scale, hflip, policy, erase)
 
 
 def _augment_policy(policy: str, min_side: int, mean: Sequence[float]) -> Callable[[Image.Image], Image.Image]:
@@ -216,17 +210,25 @@ class CropFlip:
 
     def views(self, image: Image.Image | ReducedImage) -> list[torch.Tensor]:
         """Draws one box and one flip, then renders every view: (3, H, W) float32 each."""
+        return [self.normalise(pixels, i) for i, pixels in enumerate(self.pixels(image))]
+
+    def pixels(self, image: Image.Image | ReducedImage) -> list[torch.Tensor]:
+        """Draws one box and one flip, then renders every view before normalisation: (3, H, W) uint8 each."""
         if not isinstance(image, ReducedImage):
             image = ReducedImage(to_rgb(image), image.size, 1)
         box, flip = self.draw(image.full_size)
         top, left, box_height, box_width = reduced_box(box, image.reduction)
         pixels = torch.from_numpy(np.array(image.image)).permute(2, 0, 1)  # (3, h, w) uint8 over an (h, w, 3) buffer
         views = []
-        for size, interpolation, gain, offset in self.renderings:
+        for size, interpolation, *_ in self.renderings:
             view = F2.resized_crop(pixels, top, left, box_height, box_width, list(size), interpolation, antialias=True)
-            view = view.flip(-1) if flip else view  # (3, H, W) uint8
-            views.append(view.float().contiguous().mul_(gain).add_(offset))
+            views.append(view.flip(-1) if flip else view)  # (3, H, W) uint8
         return views
+
+    def normalise(self, pixels: torch.Tensor, view: int) -> torch.Tensor:
+        """ToTensor and Normalize of view number `view`, as one multiply-add: (3, H, W) uint8 -> float32."""
+        *_, gain, offset = self.renderings[view]
+        return pixels.float().contiguous().mul_(gain).add_(offset)
 
     def draw(self, full_size: tuple[int, int]) -> tuple[tuple[int, int, int, int], bool]:
         """torchvision's draws for a full-size (width, height) image: the (top, left, height, width) box, then the
@@ -256,6 +258,39 @@ class TwoViewCropFlip(CropFlip):
     def __call__(self, image: Image.Image | ReducedImage) -> dict[str, torch.Tensor]:
         first, second = self.views(image)
         return {"image": first, "tokenizer_image": second}
+
+
+class FinetuneCrop(CropFlip):
+    """`CropFlip`'s box and flip rendered once (uint8), then an optional PIL policy, normalisation and optional random
+    erasing: the fine-tuning transform (see `finetune_train_transform`).
+
+    Args:
+        view: The rendering.
+        scale: Range of the box's area as a fraction of the image.
+        hflip: Probability of flipping horizontally.
+        policy: A PIL-to-PIL augmentation applied to the rendered crop, or None.
+        erase: Applied to the normalised (3, H, W) tensor, or None.
+    """
+
+    def __init__(
+        self,
+        view: View,
+        scale: tuple[float, float],
+        hflip: float,
+        policy: Callable[[Image.Image], Image.Image] | None,
+        erase: Callable[[torch.Tensor], torch.Tensor] | None,
+    ):
+        super().__init__([view], scale=scale, hflip=hflip)
+        self.policy, self.erase = policy, erase
+
+    def __call__(self, image: Image.Image | ReducedImage) -> torch.Tensor:
+        """(3, H, W) float32."""
+        (pixels,) = self.pixels(image)  # (3, H, W) uint8
+        if self.policy is not None:
+            augmented = self.policy(Image.fromarray(pixels.permute(1, 2, 0).numpy()))  # (H, W, 3) buffer, RGB
+            pixels = torch.from_numpy(np.array(augmented)).permute(2, 0, 1)
+        out = self.normalise(pixels, 0)
+        return out if self.erase is None else self.erase(out)
 
 
 def smallest_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float]) -> tuple[int, int]:

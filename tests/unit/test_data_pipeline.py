@@ -16,7 +16,7 @@ from PIL import Image
 
 from data import sources
 from data.masking import BlockwiseMaskGenerator
-from data.pipeline import make_eval_loader, make_train_loader
+from data.pipeline import _sample_seed, make_eval_loader, make_train_loader
 from data.specs import dataset_size, resolve_shards
 from data.transforms import WithMask, eval_transform, pretrain_transform
 from data.write import write_shards
@@ -298,3 +298,12 @@ def test_blockwise_masks_travel_with_the_batch_and_resume_exactly(shard_dir, num
     assert all((b["mask"].flatten(1).sum(1) == 6).all() for b in fresh)  # the exact budget in every sample
     resumed = _take(_train(shards, transform=transform, num_workers=num_workers, skip_batches=4), 2)
     assert all(torch.equal(a["mask"], b["mask"]) for a, b in zip(resumed, fresh[4:], strict=True))
+
+
+def test_per_sample_seeds_are_distinct_and_balanced():
+    """Neighbouring samples of one stream, and the same sample of neighbouring streams, get unrelated seeds."""
+    seeds = [_sample_seed(stream, index) for stream in (1, 2) for index in range(5000)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**64 for s in seeds)
+    assert seeds[:3] == [_sample_seed(1, i) for i in range(3)]  # a function of (stream, index) alone
+    for bit in (0, 17, 63):  # each bit set about half the time: not the stream seed plus a small offset
+        assert abs(np.mean([(s >> bit) & 1 for s in seeds]) - 0.5) < 0.03, bit

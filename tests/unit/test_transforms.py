@@ -184,7 +184,7 @@ def test_random_erasing_replaces_one_box_with_noise():
 def test_posterize_at_the_top_magnitude_keeps_one_bit():
     """timm's PosterizeIncreasing asks Pillow for 0 bits at magnitude 10 (m9 + mstd0.5 reaches it); Pillow refuses."""
     transform = finetune_train_transform(32, IMAGENET_MEAN, IMAGENET_STD, auto_augment="rand-m9-mstd0.5-inc1")
-    policy = next(t for t in transform.transforms if hasattr(t, "ops"))
+    policy = transform.policy
     op = next(op for op in policy.ops if op.name == "PosterizeIncreasing")
     op.magnitude, op.magnitude_std, op.prob = 10, 0, 1.0
     out = op(_halves(32))
