@@ -5,6 +5,7 @@ torch loop on the same model, batch, param groups and AdamW (bf16 autocast over 
     .venv/bin/python benchmarks/bench_engine.py --quick    # ViT-Ti at 64 px, one round: checks that it runs
     .venv/bin/python benchmarks/bench_engine.py --matrix   # + plain/ZeRO-1 x AdamW kernel x malloc
     .venv/bin/python benchmarks/bench_engine.py --stages 1,2 --ds zero_optimization.compute_grad_norm=false
+    .venv/bin/python benchmarks/bench_engine.py --official-mae ~/mae  # + the official MAE step and the ceiling
 
 Every configuration runs in a fresh subprocess (clean DeepSpeed and allocator state, its own environment); the
 configurations are interleaved over --rounds, in reverse order on odd rounds, so that load from other processes falls
@@ -64,9 +65,15 @@ class Case:
     allocator: str
     ds: tuple[str, ...] = ()
     """Overrides `a.b=value` of the DeepSpeed JSON that core.engine.setup generates (engine cases only)."""
+    kind: str = "ours"
+    """"ours" (plain loop or engine), "official" (benchmarks/official_mae.py) or "ceiling" (benchmarks/ceiling.py)."""
 
     @property
     def runner(self) -> str:
+        if self.kind == "official":
+            return "official MAE code"
+        if self.kind == "ceiling":
+            return "autocast-Linear ceiling"
         if self.zero_stage is None:
             return "plain torch loop"
         return f"engine ZeRO-{self.zero_stage}" + "".join(f" + `{item}`" for item in self.ds)
@@ -169,12 +176,17 @@ class Clock:
         }
 
 
-def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> None:
-    """Forward under autocast, backward, AdamW step, zero_grad: what the engine's step does, without the engine."""
+def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> int:
+    """Forward under autocast, backward, AdamW step, zero_grad: what the engine's step does, without the engine.
+
+    Returns:
+        Model FLOPs of one step (core.engine.utilisation.count_step_flops), counted after the timed steps.
+    """
     import torch
     from timm.optim import param_groups_weight_decay
 
     from core.engine.setup import set_attention
+    from core.engine.utilisation import count_step_flops
 
     torch.manual_seed(0)
     objective = mae_builder(cfg)()
@@ -200,6 +212,7 @@ def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> None:
         backward(loss)
         step_phase()
     clock.mark()
+    return count_step_flops(objective, batch, precision="bf16", device=torch.device("cpu"))
 
 
 class MeasurementDone(Exception):
@@ -270,8 +283,23 @@ def worker(spec_json: str) -> None:
     images = torch.randn(spec["batch"], 3, spec["size"], spec["size"], generator=torch.Generator().manual_seed(0))
     batch = {"image": images, "num_corrupt": torch.tensor(0)}  # image: (B, C, H, W)
     clock = Clock()
-    (run_plain if spec["zero_stage"] is None else run_engine)(cfg, spec, batch, clock)
-    result = clock.report(spec["warmup"], spec["warmup"] + spec["steps"])
+    extra = {}
+    if spec["kind"] == "ceiling":
+        from benchmarks.ceiling import TRIALS, measure_ceiling
+
+        extra = measure_ceiling(spec, clock)
+        result = clock.report(0, TRIALS)
+    else:
+        if spec["kind"] == "official":
+            from benchmarks.official_mae import run_official
+
+            extra["flops"] = run_official(spec, images, clock)
+        elif spec["zero_stage"] is None:
+            extra["flops"] = run_plain(cfg, spec, batch, clock)
+        else:
+            run_engine(cfg, spec, batch, clock)
+        result = clock.report(spec["warmup"], spec["warmup"] + spec["steps"])
+    result.update(extra)
     result["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     Path(spec["out"]).write_text(json.dumps(result))
 
@@ -296,6 +324,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--matrix", action="store_true", help="add plain/ZeRO-1 x fused/forloop x every malloc")
     p.add_argument("--max-others-load", type=float, default=0.2, help="repeat a run when others used more (0.2)")
     p.add_argument("--retries", type=int, default=2, help="repeats allowed per run (default: 2)")
+    p.add_argument(
+        "--official-mae",
+        type=Path,
+        metavar="PATH",
+        help="facebookresearch/mae checkout: add its training step and the autocast-Linear ceiling to the rounds",
+    )
     p.add_argument("--quick", action="store_true", help="ViT-Ti at 64 px, 1 warm-up + 3 steps, one round")
     p.add_argument("--out", type=Path, default=RESULTS, help="markdown result file (default: benchmarks/results/)")
     args = p.parse_args(argv)
@@ -312,8 +346,8 @@ def installed(names: list[str]) -> list[str]:
     return [name for name in names if name not in missing]
 
 
-def build_cases(args: argparse.Namespace) -> tuple[list[Case], list[Case]]:
-    """(main table, malloc x kernel table)."""
+def build_cases(args: argparse.Namespace) -> tuple[list[Case], list[Case], list[Case]]:
+    """(main table, malloc x kernel table, official code and ceiling)."""
     stages = [int(stage) for stage in args.stages.split(",")]
     ds_stages = [int(stage) for stage in (args.ds_stages or args.stages).split(",")] if args.ds else []
     main = []
@@ -324,14 +358,18 @@ def build_cases(args: argparse.Namespace) -> tuple[list[Case], list[Case]]:
     if args.matrix:
         for optimizer, allocator in itertools.product(("fused", "forloop"), installed(list(MALLOC_NAMES))):
             matrix += [Case(None, optimizer, allocator), Case(1, optimizer, allocator)]
-    return main, matrix
+    side = []
+    if args.official_mae:  # torch's AdamW picks its for-loop kernel on CPU, where main_pretrain.py sets none
+        allocator = installed(args.allocators.split(","))[-1]
+        side = [Case(None, "forloop", allocator, kind="official"), Case(None, "-", allocator, kind="ceiling")]
+    return main, matrix, side
 
 
 def run_case(case: Case, args: argparse.Namespace, scratch: Path) -> dict:
     """One fresh process for `case`; returns the worker's timings."""
     run_dir = Path(tempfile.mkdtemp(dir=scratch))
     spec = {**asdict(case), **{k: getattr(args, k) for k in ("model", "size", "batch", "warmup", "steps")}}
-    spec.update(run_dir=str(run_dir), out=str(run_dir / "result.json"))
+    spec.update(run_dir=str(run_dir), out=str(run_dir / "result.json"), official_mae=str(args.official_mae))
     env = worker_env(args.threads, PYTHONPATH=str(REPO))
     env = {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
     env.update(allocator_env(case.allocator))
@@ -410,14 +448,18 @@ def environment(args: argparse.Namespace, load_before: tuple[float, ...]) -> lis
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    main_cases, matrix_cases = build_cases(args)
+    main_cases, matrix_cases, side_cases = build_cases(args)
     load_before = os.getloadavg()
-    results = run_all(list(dict.fromkeys(main_cases + matrix_cases)), args)
-    stats = {case: summarize(runs) for case, runs in results.items()}
+    results = run_all(list(dict.fromkeys(main_cases + matrix_cases + side_cases)), args)
+    stats = {case: summarize(runs) for case, runs in results.items() if case.kind != "ceiling"}
     lines = ["# Engine vs plain torch loop", "", *environment(args, load_before), ""]
     lines += ["## Engine overhead at each ZeRO stage", "", *render_table(main_cases, stats), ""]
     if matrix_cases:
         lines += ["## AdamW kernel x malloc (plain loop and ZeRO-1)", "", *render_table(matrix_cases, stats), ""]
+    if side_cases:
+        from benchmarks.side_by_side import section
+
+        lines += section(main_cases, side_cases, stats, results)
     publish("\n".join(lines), args.out)
     return 0
 
