@@ -170,6 +170,7 @@ class Clock:
         wall, _, own, busy = (self.marks[last][k] - self.marks[first][k] for k in range(4))
         return {
             "step": [d[0] for d in deltas],
+            "cpu": [d[2] for d in deltas],  # this process's own CPU seconds: its work, at --threads 1
             "faults": [d[1] for d in deltas],
             **{name: [calls.get(i, 0.0) for i in range(first, last)] for name, calls in self.calls.items()},
             "others_load": max(0.0, busy - own) / (wall * os.cpu_count()),
@@ -180,7 +181,8 @@ def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> int:
     """Forward under autocast, backward, AdamW step, zero_grad: what the engine's step does, without the engine.
 
     Returns:
-        Model FLOPs of one step (core.engine.utilisation.count_step_flops), counted after the timed steps.
+        Model FLOPs of one step (core.engine.utilisation.count_step_flops), counted after the timed steps when
+        spec["flops"] says so (the first round), else None.
     """
     import torch
     from timm.optim import param_groups_weight_decay
@@ -212,7 +214,7 @@ def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> int:
         backward(loss)
         step_phase()
     clock.mark()
-    return count_step_flops(objective, batch, precision="bf16", device=torch.device("cpu"))
+    return count_step_flops(objective, batch, precision="bf16", device=torch.device("cpu")) if spec["flops"] else None
 
 
 class MeasurementDone(Exception):
@@ -365,11 +367,12 @@ def build_cases(args: argparse.Namespace) -> tuple[list[Case], list[Case], list[
     return main, matrix, side
 
 
-def run_case(case: Case, args: argparse.Namespace, scratch: Path) -> dict:
-    """One fresh process for `case`; returns the worker's timings."""
+def run_case(case: Case, args: argparse.Namespace, scratch: Path, count_flops: bool = False) -> dict:
+    """One fresh process for `case`; returns the worker's timings (and the step's FLOPs if `count_flops`)."""
     run_dir = Path(tempfile.mkdtemp(dir=scratch))
     spec = {**asdict(case), **{k: getattr(args, k) for k in ("model", "size", "batch", "warmup", "steps")}}
     spec.update(run_dir=str(run_dir), out=str(run_dir / "result.json"), official_mae=str(args.official_mae))
+    spec["flops"] = count_flops
     env = worker_env(args.threads, PYTHONPATH=str(REPO))
     env = {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
     env.update(allocator_env(case.allocator))
@@ -384,7 +387,7 @@ def run_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, list[dict
         for r in range(args.rounds):
             for case in cases if r % 2 == 0 else cases[::-1]:
                 for _ in range(args.retries + 1):
-                    run = run_case(case, args, Path(scratch))
+                    run = run_case(case, args, Path(scratch), count_flops=r == 0)
                     print(
                         f"[bench] round {r + 1}/{args.rounds} {case.runner}, {case.optimizer}, {case.allocator}: "
                         f"{statistics.median(run['step']):.3f} s/step, others' load {run['others_load']:.0%}",
@@ -401,6 +404,7 @@ def summarize(runs: list[dict]) -> dict:
     pooled = lambda key: statistics.median(v for run in runs for v in run[key])  # noqa: E731
     return {
         "median": pooled("step"),
+        "cpu": pooled("cpu"),
         "min": min(v for run in runs for v in run["step"]),
         "rounds": [statistics.median(run["step"]) for run in runs],
         "others_load": max(run["others_load"] for run in runs),

@@ -139,7 +139,8 @@ def run_official(spec: dict, images: torch.Tensor, clock) -> float:
         clock: bench_engine's Clock: marked at every batch draw; backward, step phase and AdamW.step timed.
 
     Returns:
-        Model FLOPs of one training step (forward + backward, FlopCounterMode), counted after the timed steps.
+        Model FLOPs of one training step (forward + backward, FlopCounterMode), counted after the timed steps when
+        spec["flops"] says so (the first round), else None.
     """
     from timm.optim import param_groups_weight_decay
 
@@ -159,7 +160,7 @@ def run_official(spec: dict, images: torch.Tensor, clock) -> float:
     loader = RepeatedBatch(images, steps, clock.mark)
     scaler = official.misc.NativeScalerWithGradNormCount()
     official.engine_pretrain.train_one_epoch(model, loader, optimizer, torch.device("cpu"), 0, scaler, args=args)
-    return official_step_flops(model, images)
+    return official_step_flops(model, images) if spec["flops"] else None
 
 
 def build_official_model(models_mae: types.ModuleType, size: str, img_size: int) -> nn.Module:
