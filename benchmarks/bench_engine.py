@@ -379,9 +379,10 @@ def run_case(case: Case, args: argparse.Namespace, scratch: Path, count_flops: b
     return run_worker(__file__, spec, env, case)
 
 
-def run_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, list[dict]]:
+def run_all(cases: list[Case], args: argparse.Namespace, after_round=None) -> dict[Case, list[dict]]:
     """Every case once per round, odd rounds in reverse order so that drift in machine load evens out; a run during
-    which other processes used more than --max-others-load of the machine is repeated up to --retries times."""
+    which other processes used more than --max-others-load of the machine is repeated up to --retries times.
+    `after_round(results, rounds_done)` is called after every round (to write what is measured so far)."""
     results: dict[Case, list[dict]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as scratch:
         for r in range(args.rounds):
@@ -396,6 +397,8 @@ def run_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, list[dict
                     if run["others_load"] <= args.max_others_load:
                         break
                 results[case].append(run)
+            if after_round is not None:
+                after_round(results, r + 1)
     return results
 
 
@@ -437,14 +440,16 @@ def render_table(cases: list[Case], stats: dict[Case, dict]) -> list[str]:
     return [*lines, "", f"Largest spread of per-round medians in this table: {spread:.0%} of the median."]
 
 
-def environment(args: argparse.Namespace, load_before: tuple[float, ...]) -> list[str]:
-    """Where and how the numbers were taken."""
+def environment(args: argparse.Namespace, load_before: tuple[float, ...], rounds_done: int) -> list[str]:
+    """Where and how the numbers were taken, and how many of the rounds asked for are in the tables."""
+    done = "" if rounds_done == args.rounds else f" ({rounds_done} done when this was written)"
     return [
         *machine_lines(args.threads),
         f"- model: MAE ViT-{args.model.capitalize()}/16 at {args.size} px, batch {args.batch}, "
         "bf16 autocast over fp32 weights, world size 1 (one-process gloo group)",
-        f"- per process: {args.warmup} warm-up + {args.steps} timed steps; {args.rounds} interleaved rounds; runs "
-        f"repeated (up to {args.retries}x) when other processes used over {args.max_others_load:.0%} of the machine",
+        f"- per process: {args.warmup} warm-up + {args.steps} timed steps; {args.rounds} interleaved rounds{done}; "
+        f"runs repeated (up to {args.retries}x) when other processes used over {args.max_others_load:.0%} of the "
+        "machine",
         f"- 1-min load average before / after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}",
         f"- command: `{' '.join(['python', *sys.argv])}`",
     ]
@@ -454,17 +459,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     main_cases, matrix_cases, side_cases = build_cases(args)
     load_before = os.getloadavg()
-    results = run_all(list(dict.fromkeys(main_cases + matrix_cases + side_cases)), args)
-    stats = {case: summarize(runs) for case, runs in results.items() if case.kind != "ceiling"}
-    lines = ["# Engine vs plain torch loop", "", *environment(args, load_before), ""]
-    lines += ["## Engine overhead at each ZeRO stage", "", *render_table(main_cases, stats), ""]
-    if matrix_cases:
-        lines += ["## AdamW kernel x malloc (plain loop and ZeRO-1)", "", *render_table(matrix_cases, stats), ""]
-    if side_cases:
-        from benchmarks.side_by_side import section
 
-        lines += section(main_cases, side_cases, stats, results)
-    publish("\n".join(lines), args.out)
+    def write(results: dict[Case, list[dict]], rounds_done: int) -> None:
+        """The result file from the rounds done so far: a run cut short still leaves its complete rounds."""
+        stats = {case: summarize(runs) for case, runs in results.items() if case.kind != "ceiling"}
+        lines = ["# Engine vs plain torch loop", "", *environment(args, load_before, rounds_done), ""]
+        lines += ["## Engine overhead at each ZeRO stage", "", *render_table(main_cases, stats), ""]
+        if matrix_cases:
+            lines += ["## AdamW kernel x malloc (plain loop and ZeRO-1)", "", *render_table(matrix_cases, stats), ""]
+        if side_cases:
+            from benchmarks.side_by_side import section
+
+            lines += section(main_cases, side_cases, stats, results)
+        publish("\n".join(lines), args.out)
+
+    run_all(list(dict.fromkeys(main_cases + matrix_cases + side_cases)), args, after_round=write)
     return 0
 
 
