@@ -177,3 +177,20 @@ def test_profile_kinds():
     assert kind_of("aten::_fused_adamw_") == "optimizer"
     assert kind_of("aten::native_layer_norm_backward") == "layer norm"
     assert kind_of("aten::argsort") == "other"
+
+
+def test_run_all_reports_every_round_in_interleaved_order(monkeypatch):
+    import benchmarks.bench_engine as bench
+
+    order, written = [], []
+
+    def fake_run_case(case, args, scratch, count_flops=False):
+        order.append((case.zero_stage, count_flops))
+        return {"step": [1.0], "others_load": 0.0}
+
+    monkeypatch.setattr(bench, "run_case", fake_run_case)
+    args = parse_args(["--rounds", "2", "--allocators", "glibc", "--stages", "2"])
+    cases = [Case(None, "fused", "glibc"), Case(2, "fused", "glibc")]
+    results = bench.run_all(cases, args, after_round=lambda res, done: written.append((done, len(res[cases[0]]))))
+    assert order == [(None, True), (2, True), (2, False), (None, False)]  # reversed on odd rounds; FLOPs in round 1
+    assert written == [(1, 1), (2, 2)] and all(len(runs) == 2 for runs in results.values())
