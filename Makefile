@@ -70,10 +70,13 @@ format: install
 	$(VENV)/bin/ruff format .
 
 # The engine against a plain loop where the 10% target is read: MAE ViT-B, batch 32, tcmalloc (as launch.sh runs);
+# with OFFICIAL_MAE=/path/to/facebookresearch/mae also the official training step and the autocast-Linear ceiling
+# in the same rounds (the checkout is read from there, never copied here);
 # then the quickstart models' fixed per-step cost (engine / plain timm loop; `--before REV` adds an older tree).
+OFFICIAL_MAE ?=
 bench: install
 	$(PY) benchmarks/bench_engine.py --batch 32 --allocators tcmalloc --rounds 3 \
-	  --out benchmarks/results/engine_batch32.md
+	  $(if $(OFFICIAL_MAE),--official-mae $(OFFICIAL_MAE)) --out benchmarks/results/engine_batch32.md
 	$(PY) benchmarks/bench_overhead.py
 
 bench-memory: install

@@ -5,6 +5,7 @@ torch loop on the same model, batch, param groups and AdamW (bf16 autocast over 
     .venv/bin/python benchmarks/bench_engine.py --quick    # ViT-Ti at 64 px, one round: checks that it runs
     .venv/bin/python benchmarks/bench_engine.py --matrix   # + plain/ZeRO-1 x AdamW kernel x malloc
     .venv/bin/python benchmarks/bench_engine.py --stages 1,2 --ds zero_optimization.compute_grad_norm=false
+    .venv/bin/python benchmarks/bench_engine.py --official-mae ~/mae  # + the official MAE step and the ceiling
 
 Every configuration runs in a fresh subprocess (clean DeepSpeed and allocator state, its own environment); the
 configurations are interleaved over --rounds, in reverse order on odd rounds, so that load from other processes falls
@@ -64,9 +65,15 @@ class Case:
     allocator: str
     ds: tuple[str, ...] = ()
     """Overrides `a.b=value` of the DeepSpeed JSON that core.engine.setup generates (engine cases only)."""
+    kind: str = "ours"
+    """"ours" (plain loop or engine), "official" (benchmarks/official_mae.py) or "ceiling" (benchmarks/ceiling.py)."""
 
     @property
     def runner(self) -> str:
+        if self.kind == "official":
+            return "official MAE code"
+        if self.kind == "ceiling":
+            return "autocast-Linear ceiling"
         if self.zero_stage is None:
             return "plain torch loop"
         return f"engine ZeRO-{self.zero_stage}" + "".join(f" + `{item}`" for item in self.ds)
@@ -163,18 +170,25 @@ class Clock:
         wall, _, own, busy = (self.marks[last][k] - self.marks[first][k] for k in range(4))
         return {
             "step": [d[0] for d in deltas],
+            "cpu": [d[2] for d in deltas],  # this process's own CPU seconds: its work, at --threads 1
             "faults": [d[1] for d in deltas],
             **{name: [calls.get(i, 0.0) for i in range(first, last)] for name, calls in self.calls.items()},
             "others_load": max(0.0, busy - own) / (wall * os.cpu_count()),
         }
 
 
-def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> None:
-    """Forward under autocast, backward, AdamW step, zero_grad: what the engine's step does, without the engine."""
+def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> int:
+    """Forward under autocast, backward, AdamW step, zero_grad: what the engine's step does, without the engine.
+
+    Returns:
+        Model FLOPs of one step (core.engine.utilisation.count_step_flops), counted after the timed steps when
+        spec["flops"] says so (the first round), else None.
+    """
     import torch
     from timm.optim import param_groups_weight_decay
 
     from core.engine.setup import set_attention
+    from core.engine.utilisation import count_step_flops
 
     torch.manual_seed(0)
     objective = mae_builder(cfg)()
@@ -200,6 +214,7 @@ def run_plain(cfg, spec: dict, batch: dict, clock: Clock) -> None:
         backward(loss)
         step_phase()
     clock.mark()
+    return count_step_flops(objective, batch, precision="bf16", device=torch.device("cpu")) if spec["flops"] else None
 
 
 class MeasurementDone(Exception):
@@ -270,8 +285,23 @@ def worker(spec_json: str) -> None:
     images = torch.randn(spec["batch"], 3, spec["size"], spec["size"], generator=torch.Generator().manual_seed(0))
     batch = {"image": images, "num_corrupt": torch.tensor(0)}  # image: (B, C, H, W)
     clock = Clock()
-    (run_plain if spec["zero_stage"] is None else run_engine)(cfg, spec, batch, clock)
-    result = clock.report(spec["warmup"], spec["warmup"] + spec["steps"])
+    extra = {}
+    if spec["kind"] == "ceiling":
+        from benchmarks.ceiling import TRIALS, measure_ceiling
+
+        extra = measure_ceiling(spec, clock)
+        result = clock.report(0, TRIALS)
+    else:
+        if spec["kind"] == "official":
+            from benchmarks.official_mae import run_official
+
+            extra["flops"] = run_official(spec, images, clock)
+        elif spec["zero_stage"] is None:
+            extra["flops"] = run_plain(cfg, spec, batch, clock)
+        else:
+            run_engine(cfg, spec, batch, clock)
+        result = clock.report(spec["warmup"], spec["warmup"] + spec["steps"])
+    result.update(extra)
     result["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     Path(spec["out"]).write_text(json.dumps(result))
 
@@ -296,6 +326,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--matrix", action="store_true", help="add plain/ZeRO-1 x fused/forloop x every malloc")
     p.add_argument("--max-others-load", type=float, default=0.2, help="repeat a run when others used more (0.2)")
     p.add_argument("--retries", type=int, default=2, help="repeats allowed per run (default: 2)")
+    p.add_argument(
+        "--official-mae",
+        type=Path,
+        metavar="PATH",
+        help="facebookresearch/mae checkout: add its training step and the autocast-Linear ceiling to the rounds",
+    )
     p.add_argument("--quick", action="store_true", help="ViT-Ti at 64 px, 1 warm-up + 3 steps, one round")
     p.add_argument("--out", type=Path, default=RESULTS, help="markdown result file (default: benchmarks/results/)")
     args = p.parse_args(argv)
@@ -312,8 +348,8 @@ def installed(names: list[str]) -> list[str]:
     return [name for name in names if name not in missing]
 
 
-def build_cases(args: argparse.Namespace) -> tuple[list[Case], list[Case]]:
-    """(main table, malloc x kernel table)."""
+def build_cases(args: argparse.Namespace) -> tuple[list[Case], list[Case], list[Case]]:
+    """(main table, malloc x kernel table, official code and ceiling)."""
     stages = [int(stage) for stage in args.stages.split(",")]
     ds_stages = [int(stage) for stage in (args.ds_stages or args.stages).split(",")] if args.ds else []
     main = []
@@ -324,29 +360,35 @@ def build_cases(args: argparse.Namespace) -> tuple[list[Case], list[Case]]:
     if args.matrix:
         for optimizer, allocator in itertools.product(("fused", "forloop"), installed(list(MALLOC_NAMES))):
             matrix += [Case(None, optimizer, allocator), Case(1, optimizer, allocator)]
-    return main, matrix
+    side = []
+    if args.official_mae:  # torch's AdamW picks its for-loop kernel on CPU, where main_pretrain.py sets none
+        allocator = installed(args.allocators.split(","))[-1]
+        side = [Case(None, "forloop", allocator, kind="official"), Case(None, "-", allocator, kind="ceiling")]
+    return main, matrix, side
 
 
-def run_case(case: Case, args: argparse.Namespace, scratch: Path) -> dict:
-    """One fresh process for `case`; returns the worker's timings."""
+def run_case(case: Case, args: argparse.Namespace, scratch: Path, count_flops: bool = False) -> dict:
+    """One fresh process for `case`; returns the worker's timings (and the step's FLOPs if `count_flops`)."""
     run_dir = Path(tempfile.mkdtemp(dir=scratch))
     spec = {**asdict(case), **{k: getattr(args, k) for k in ("model", "size", "batch", "warmup", "steps")}}
-    spec.update(run_dir=str(run_dir), out=str(run_dir / "result.json"))
+    spec.update(run_dir=str(run_dir), out=str(run_dir / "result.json"), official_mae=str(args.official_mae))
+    spec["flops"] = count_flops
     env = worker_env(args.threads, PYTHONPATH=str(REPO))
     env = {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
     env.update(allocator_env(case.allocator))
     return run_worker(__file__, spec, env, case)
 
 
-def run_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, list[dict]]:
+def run_all(cases: list[Case], args: argparse.Namespace, after_round=None) -> dict[Case, list[dict]]:
     """Every case once per round, odd rounds in reverse order so that drift in machine load evens out; a run during
-    which other processes used more than --max-others-load of the machine is repeated up to --retries times."""
+    which other processes used more than --max-others-load of the machine is repeated up to --retries times.
+    `after_round(results, rounds_done)` is called after every round (to write what is measured so far)."""
     results: dict[Case, list[dict]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as scratch:
         for r in range(args.rounds):
             for case in cases if r % 2 == 0 else cases[::-1]:
                 for _ in range(args.retries + 1):
-                    run = run_case(case, args, Path(scratch))
+                    run = run_case(case, args, Path(scratch), count_flops=r == 0)
                     print(
                         f"[bench] round {r + 1}/{args.rounds} {case.runner}, {case.optimizer}, {case.allocator}: "
                         f"{statistics.median(run['step']):.3f} s/step, others' load {run['others_load']:.0%}",
@@ -355,6 +397,8 @@ def run_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, list[dict
                     if run["others_load"] <= args.max_others_load:
                         break
                 results[case].append(run)
+            if after_round is not None:
+                after_round(results, r + 1)
     return results
 
 
@@ -363,6 +407,7 @@ def summarize(runs: list[dict]) -> dict:
     pooled = lambda key: statistics.median(v for run in runs for v in run[key])  # noqa: E731
     return {
         "median": pooled("step"),
+        "cpu": pooled("cpu"),
         "min": min(v for run in runs for v in run["step"]),
         "rounds": [statistics.median(run["step"]) for run in runs],
         "others_load": max(run["others_load"] for run in runs),
@@ -395,14 +440,16 @@ def render_table(cases: list[Case], stats: dict[Case, dict]) -> list[str]:
     return [*lines, "", f"Largest spread of per-round medians in this table: {spread:.0%} of the median."]
 
 
-def environment(args: argparse.Namespace, load_before: tuple[float, ...]) -> list[str]:
-    """Where and how the numbers were taken."""
+def environment(args: argparse.Namespace, load_before: tuple[float, ...], rounds_done: int) -> list[str]:
+    """Where and how the numbers were taken, and how many of the rounds asked for are in the tables."""
+    done = "" if rounds_done == args.rounds else f" ({rounds_done} done when this was written)"
     return [
         *machine_lines(args.threads),
         f"- model: MAE ViT-{args.model.capitalize()}/16 at {args.size} px, batch {args.batch}, "
         "bf16 autocast over fp32 weights, world size 1 (one-process gloo group)",
-        f"- per process: {args.warmup} warm-up + {args.steps} timed steps; {args.rounds} interleaved rounds; runs "
-        f"repeated (up to {args.retries}x) when other processes used over {args.max_others_load:.0%} of the machine",
+        f"- per process: {args.warmup} warm-up + {args.steps} timed steps; {args.rounds} interleaved rounds{done}; "
+        f"runs repeated (up to {args.retries}x) when other processes used over {args.max_others_load:.0%} of the "
+        "machine",
         f"- 1-min load average before / after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}",
         f"- command: `{' '.join(['python', *sys.argv])}`",
     ]
@@ -410,15 +457,23 @@ def environment(args: argparse.Namespace, load_before: tuple[float, ...]) -> lis
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    main_cases, matrix_cases = build_cases(args)
+    main_cases, matrix_cases, side_cases = build_cases(args)
     load_before = os.getloadavg()
-    results = run_all(list(dict.fromkeys(main_cases + matrix_cases)), args)
-    stats = {case: summarize(runs) for case, runs in results.items()}
-    lines = ["# Engine vs plain torch loop", "", *environment(args, load_before), ""]
-    lines += ["## Engine overhead at each ZeRO stage", "", *render_table(main_cases, stats), ""]
-    if matrix_cases:
-        lines += ["## AdamW kernel x malloc (plain loop and ZeRO-1)", "", *render_table(matrix_cases, stats), ""]
-    publish("\n".join(lines), args.out)
+
+    def write(results: dict[Case, list[dict]], rounds_done: int) -> None:
+        """The result file from the rounds done so far: a run cut short still leaves its complete rounds."""
+        stats = {case: summarize(runs) for case, runs in results.items() if case.kind != "ceiling"}
+        lines = ["# Engine vs plain torch loop", "", *environment(args, load_before, rounds_done), ""]
+        lines += ["## Engine overhead at each ZeRO stage", "", *render_table(main_cases, stats), ""]
+        if matrix_cases:
+            lines += ["## AdamW kernel x malloc (plain loop and ZeRO-1)", "", *render_table(matrix_cases, stats), ""]
+        if side_cases:
+            from benchmarks.side_by_side import section
+
+            lines += section(main_cases, side_cases, stats, results)
+        publish("\n".join(lines), args.out)
+
+    run_all(list(dict.fromkeys(main_cases + matrix_cases + side_cases)), args, after_round=write)
     return 0
 
 
