@@ -24,10 +24,12 @@ install: $(VENV)/.installed
 # Fashion-MNIST shards (train 60k, test 10k); synthetic images with a warning when the dataset is not installed.
 quickstart-data: install
 	@if [ -f $(FMNIST)/train-images-idx3-ubyte.gz ]; then \
-	  grep -qs fashion-mnist $(SHARDS)/train/index.json || \
-	    $(PY) -m data write --source fashion-mnist --split train --out $(SHARDS)/train --shard-size 5000; \
+	  { grep -qs fashion-mnist $(SHARDS)/train/index.json || \
+	    $(PY) -m data write --source fashion-mnist --split train --out $(SHARDS)/train --shard-size 5000; } & \
+	  train=$$!; \
 	  grep -qs fashion-mnist $(SHARDS)/test/index.json || \
-	    $(PY) -m data write --source fashion-mnist --split test --out $(SHARDS)/test --shard-size 2500; \
+	    $(PY) -m data write --source fashion-mnist --split test --out $(SHARDS)/test --shard-size 2500; tested=$$?; \
+	  wait $$train && [ $$tested -eq 0 ]; \
 	else \
 	  echo "WARNING: Fashion-MNIST not found in $(FMNIST); install it with: sudo apt-get install -y dataset-fashion-mnist"; \
 	  echo "WARNING: running the quickstart on synthetic images instead (accuracy numbers will not mean much)"; \
