@@ -21,8 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: benchmarks.workers comes from the repository root
+    sys.path.append(str(REPO))
 
 RECIPES = {"finetune": ("recipes/quickstart_finetune.yaml", 2000), "pretrain": ("recipes/quickstart.yaml", 700)}
 
