@@ -1,7 +1,7 @@
 """Eager against compiled blocks (`engine.compile`) on the quickstart models, side by side in one process.
 
 The objectives are the quickstart recipes' own (`recipes/quickstart_finetune.yaml`: the 128-wide 4-block ViT
-classifier at 32 px, batch 64; `recipes/quickstart.yaml`: MAE on it at 28 px with its 96-wide 2-block decoder, batch
+classifier at 28 px, batch 128; `recipes/quickstart.yaml`: MAE on it at 28 px with its 96-wide 2-block decoder, batch
 256), built as the stages build them, trained in a plain loop (bf16 autocast, AdamW) on in-memory random batches, so
 the timing is the model step alone, without the engine's and the data path's costs (the same in both modes). Two
 copies with the same weights, one with `compile_blocks`, run alternately `--steps` steps at a time over `--rounds`
@@ -9,7 +9,7 @@ rounds, so that a busy machine slows both alike; the per-step median of each is 
 
 The compiled copy's first step holds the compile: cold when TORCHINDUCTOR_CACHE_DIR (set here to `--cache-dir`) is
 empty, warm when an earlier run with the same thread count filled it (the kernels are keyed by it too). From both:
-the steps/s after warm-up, and the time of the quickstart's training steps (2000 / 700) with the compile counted:
+the steps/s after warm-up, and the time of the quickstart's training steps (1000 / 700) with the compile counted:
 first step + the other steps at the median rate.
 
     .venv/bin/python benchmarks/bench_compile.py --cache-dir /tmp/inductor_cold     # cold: an empty directory
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: benchmarks.workers comes from the repository root
     sys.path.append(str(REPO))
 
-RECIPES = {"finetune": ("recipes/quickstart_finetune.yaml", 2000), "pretrain": ("recipes/quickstart.yaml", 700)}
+RECIPES = {"finetune": ("recipes/quickstart_finetune.yaml", 1000), "pretrain": ("recipes/quickstart.yaml", 700)}
 
 
 def build(stage: str):

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_overhead.py --before HEAD~3       # + the engine as it was at a git revision
     .venv/bin/python benchmarks/bench_overhead.py --profile ft:1        # cProfile of one case, top entries printed
 
-The quickstart recipes (recipes/quickstart_finetune.yaml: ViT 128 wide, 4 blocks at 32 px, batch 64, layer decay
+The quickstart recipes (recipes/quickstart_finetune.yaml: ViT 128 wide, 4 blocks at 28 px, batch 128, layer decay
 0.85; recipes/quickstart.yaml: MAE at 28 px, batch 256) are tiny: a step is tens of milliseconds, so what the engine
 does per step besides the arithmetic (Python per parameter group, DeepSpeed's bookkeeping, syncs) shows as a ratio
 against a plain loop of the same model, batch, bf16 autocast and AdamW. Every case runs in a fresh process on one

@@ -38,7 +38,7 @@ def test_every_command_is_a_valid_recipe_and_a_simmim_encoder_fits_its_fine_tuni
     commands = plan(BY_NAME[name], tmp_path)
     configs = [config_of(command) for command in commands]
     assert [c.stage for c in configs] == ["pretrain"] * (len(configs) - 1) + ["finetune"]
-    assert configs[-1].schedule.steps == 2000 and configs[-1].data.global_batch_size == 64  # the quickstart budget
+    assert configs[-1].schedule.steps == 1000 and configs[-1].data.global_batch_size == 128  # the quickstart budget
     if len(configs) == 2:
         pretrain, finetune = configs
         assert pretrain.objective.kind == "simmim" and pretrain.model.arch == finetune.model.arch
