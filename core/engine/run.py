@@ -25,6 +25,7 @@ from core.engine.loop import LoopHooks, NonFiniteLossError, PreemptedError, Trai
 from core.engine.plan import launch_plan
 from core.engine.preempt import EXIT_PREEMPTED
 from core.engine.setup import parallelize
+from core.engine.utilisation import device_peak
 from core.logging import MetricsLogger
 from data.specs import dataset_size
 
@@ -48,6 +49,10 @@ class StageRun:
     resume: dict | None
     state: TrainState
     logger: MetricsLogger
+    peak: tuple[float | None, str] | None = None
+    """perf/mfu's peak TFLOP/s of one device and where it came from (`device_peak`), found by `start_stage` before the
+    data workers start, which would take CPU from a matmul measured while they fill their first batches; None: the
+    loop finds it."""
 
 
 def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config], None] | None = None) -> StageRun:
@@ -81,8 +86,12 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
         logger.hparams(cfg.model_dump(mode="json"))
     state = TrainState()
     load_states(resume, {"train": state})  # the data position is needed before the engine; the RNGs come after it
+    # ZeRO-3 logs no perf/mfu (see start_meter), so nothing is measured for it
+    peak = (
+        None if cfg.engine.zero_stage == 3 else device_peak(cfg.engine.peak_tflops, cfg.engine.precision, dist.device)
+    )
     return StageRun(
-        cfg, args.recipe, dist, run_dir, config_yaml, samples, total_steps, warmup_steps, resume, state, logger
+        cfg, args.recipe, dist, run_dir, config_yaml, samples, total_steps, warmup_steps, resume, state, logger, peak
     )
 
 

@@ -148,7 +148,8 @@ def device_peak(configured: float | None, precision: str, device: torch.device) 
 
 
 def start_meter(run: StageRun, module: nn.Module, batches: Iterator[dict]) -> tuple[Utilisation | None, Iterator]:
-    """Count the step's FLOPs on the stream's first micro-batch and find the peak; prints both.
+    """Count the step's FLOPs on the stream's first micro-batch and take the peak (`run.peak`, found before the data
+    workers started, else found now); prints both.
 
     Returns:
         (the meter, or None when perf/mfu cannot be logged; `batches` with its first micro-batch put back).
@@ -160,7 +161,7 @@ def start_meter(run: StageRun, module: nn.Module, batches: Iterator[dict]) -> tu
     if is_partitioned(module):
         logger.console("[mimpipe] perf/mfu not logged: FLOPs are not counted on ZeRO-3 partitioned parameters")
         return None, batches
-    peak, source = device_peak(cfg.engine.peak_tflops, precision, dist.device)
+    peak, source = run.peak or device_peak(cfg.engine.peak_tflops, precision, dist.device)
     if peak is None:
         logger.console(f"[mimpipe] perf/mfu not logged: {source}")
         return None, batches
