@@ -1,7 +1,7 @@
 """The README's encoder table on the Fashion-MNIST quickstart budget (`make encoders-table`): each encoder fine-tuned
 from scratch, and the hybrid and T2T-ViT also after SimMIM pretraining, test top-1 side by side with the plain ViT.
 
-    .venv/bin/python benchmarks/encoders_table.py                        # every row (~1.5 h on 2 cores)
+    .venv/bin/python benchmarks/encoders_table.py                        # every row (~40 min on 2 cores)
     .venv/bin/python benchmarks/encoders_table.py --rows vit,t2t         # some rows (names: ROWS below)
     .venv/bin/python benchmarks/encoders_table.py --dry-run              # print the ./launch.sh commands only
     .venv/bin/python benchmarks/encoders_table.py --assemble-only        # the table from the runs already there
