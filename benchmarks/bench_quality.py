@@ -27,11 +27,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: the repository's packages come from its root
     sys.path.insert(0, str(REPO))
 
-from benchmarks.quality_report import ENCODERS, RESULT_FILE, collect, plot, render, summarise_run  # noqa: E402
+from benchmarks.quality_report import (  # noqa: E402
+    ENCODERS,
+    RESULT_FILE,
+    collect,
+    encoders_in,
+    objective_of,
+    plot,
+    render,
+    summarise_run,
+)
 from benchmarks.smoke_measure import launch  # noqa: E402
 from benchmarks.workers import machine_lines  # noqa: E402
 from core.config import load_config  # noqa: E402
@@ -101,11 +112,11 @@ def plan(
         base = root / f"seed{seed}"
         for encoder in ["scratch", *objectives]:
             export = base / encoder / "pretrain" / "export" if encoder != "scratch" else None
-            if encoder == "beit":
+            if objective_of(encoder) == "beit":
                 arms.append(_launched("tokenizer", base / encoder / "tokenizer", "tokenizer", seed, data, scale))
             if export is not None:
                 arm = _launched("pretrain", export.parent, encoder, seed, data, scale)
-                if encoder == "beit":
+                if objective_of(encoder) == "beit":
                     target = base / encoder / "tokenizer" / "export"
                     arm = Arm(
                         arm.kind, arm.run_dir, arm.recipe, (*arm.overrides, f"objective.target.path={target}"), target
@@ -121,6 +132,28 @@ def plan(
             probe_args += (f"--max-train={max_train}",) if max_train else ()
             arms.append(Arm("probe", base / encoder / "probe", BENCH / "finetune_full.yaml", probe_args, export))
     return arms
+
+
+def variant_lines(encoders: list[str]) -> list[str]:
+    """What each variant among `encoders` changes: its recipe's own keys (the rest comes from its `base`)."""
+    lines = []
+    for encoder in encoders:
+        if encoder in ENCODERS:
+            continue
+        own = yaml.safe_load((BENCH / f"{encoder}.yaml").read_text())
+        changes = ", ".join(f"{k}={v}" for k, v in _flatten(own).items() if k not in ("base", "run_dir"))
+        lines.append(f"- `{encoder}`: recipes/bench/{encoder}.yaml, {own.get('base')} with {changes}")
+    return lines
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _launched(kind: str, run_dir: Path, recipe: str, seed: int, data: dict[str, Path], scale: float) -> Arm:
@@ -196,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help="markdown result file (default: %(default)s)")
     args = p.parse_args(argv)
     objectives = [o for o in args.objectives.split(",") if o]
-    if unknown := sorted(set(objectives) - set(OBJECTIVES)):
-        p.error(f"unknown objectives {unknown}; known: {', '.join(OBJECTIVES)}")
+    variants = sorted(f.stem for f in BENCH.glob("*_*.yaml") if objective_of(f.stem) in OBJECTIVES)
+    if unknown := sorted(set(objectives) - {*OBJECTIVES, *variants}):
+        p.error(f"unknown objectives {unknown}; known: {', '.join(OBJECTIVES)}; variants: {', '.join(variants)}")
     if not 0 < args.scale <= 1:
         p.error(f"--scale must be in (0, 1], got {args.scale}")
     seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -217,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     header = [f"Command: `{command}` (scale {args.scale:g}, seeds {args.seeds})", "", *machine_lines(threads)]
     if args.scale != 1:
         header += ["", f"**A smoke run: every step count x {args.scale:g}; the numbers say nothing about quality.**"]
+    if tried := variant_lines(encoders_in(results)):
+        header += ["", "Variants (settings tried; each row names its recipe):", "", *tried]
     unrun = [f"{name} ({what})" for name, what in outcome.items() if what in ("failed", "blocked")]
     header += ["", f"Not finished: {', '.join(unrun)}"] if unrun else []
     text = render(results, header=header, plot_note=plot(results, args.out.with_suffix(".png")))

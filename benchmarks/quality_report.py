@@ -21,6 +21,8 @@ NAMES = {
     "simmim": "SimMIM",
     "scratch": "scratch (no pretraining)",
 }
+"""A variant of an objective is its own encoder, `{objective}_{label}` (recipes/bench/{objective}_{label}.yaml, based
+on the objective's recipe): its row follows the objective's."""
 FINETUNE_ARMS = {"ft_1pct": 0.01, "ft_10pct": 0.1, "ft_full": 1.0}
 """Fine-tuning arm -> fraction of the 60k training labels it sees."""
 COLUMNS = (("ft_1pct", "top1"), ("ft_10pct", "top1"), ("ft_full", "top1"), ("probe", "cls"), ("probe", "mean"))
@@ -70,6 +72,27 @@ def collect(root: Path) -> dict[tuple[int, str, str], dict]:
     return results
 
 
+def objective_of(encoder: str) -> str:
+    """The objective an encoder was pretrained with: `mae` for `mae` and for a variant such as `mae_crop08`."""
+    head = encoder.split("_", 1)[0]
+    return head if head in ENCODERS else encoder
+
+
+def name_of(encoder: str) -> str:
+    """The table's name for an encoder, a variant's with its recipe."""
+    if encoder in NAMES:
+        return NAMES[encoder]
+    objective = objective_of(encoder)
+    return f"{NAMES.get(objective, objective)}, variant `{encoder}`"
+
+
+def encoders_in(results: dict) -> list[str]:
+    """The encoders that have results, in table order: the objectives, each followed by its variants, then scratch."""
+    found = {e for (_, e, _) in results}
+    ordered = [v for e in ENCODERS for v in [e, *sorted(f for f in found if f.startswith(f"{e}_"))] if v in found]
+    return ordered + sorted(found - set(ordered))
+
+
 def _cell(values: list[float]) -> str:
     """A mean over seeds, with the seeds' own values when there are several."""
     if not values:
@@ -99,12 +122,12 @@ def accuracy_table(results: dict) -> list[str]:
         + " | ".join("-" if v is None else f"{v:.3f}" for v in ref)
         + " | - |"
     )
-    for encoder in ENCODERS:
+    for encoder in encoders_in(results):
         cells = [_cell(_values(results, encoder, arm, key)) for arm, key in COLUMNS]
         pretrained = [r["metrics"] for (_, e, a), r in sorted(results.items()) if (e, a) == (encoder, "pretrain")]
         knn = [m["knn"][-1][1] for m in pretrained if m.get("knn")]
         if any(c != "-" for c in cells) or knn:
-            lines.append(f"| {NAMES[encoder]} | " + " | ".join(cells) + f" | {_cell(knn)} |")
+            lines.append(f"| {name_of(encoder)} | " + " | ".join(cells) + f" | {_cell(knn)} |")
     return lines
 
 
@@ -112,13 +135,13 @@ def time_table(results: dict) -> list[str]:
     """Mean wall minutes per arm; the tokenizer's cost is in the BEiT row (its pretraining needs it)."""
     arms = ("tokenizer", "pretrain", "ft_1pct", "ft_10pct", "ft_full", "probe")
     lines = ["| encoder | " + " | ".join(arms) + " | total |", "|---" * (len(arms) + 2) + "|"]
-    for encoder in ENCODERS:
+    for encoder in encoders_in(results):
         minutes = [_minutes(results, encoder, arm) for arm in arms]
         if all(m is None for m in minutes):
             continue
         total = sum(m for m in minutes if m is not None)
         lines.append(
-            f"| {NAMES[encoder]} | "
+            f"| {name_of(encoder)} | "
             + " | ".join("-" if m is None else f"{m:.1f}" for m in minutes)
             + f" | {total:.1f} |"
         )
@@ -161,22 +184,20 @@ def plot(results: dict, path: Path) -> str:
     """Accuracy vs label fraction per encoder, and the kNN curves of pretraining, as one PNG.
 
     Returns:
-        The markdown line for quality.md: the image, or why there is none (matplotlib is not a dependency).
+        The markdown line for quality.md that shows the image.
     """
-    try:
-        import matplotlib
+    import matplotlib  # a dev dependency, imported here so that reading results does not need it
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "No plot: matplotlib is not installed in the venv (`.venv/bin/pip install matplotlib`, then rerun)."
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for encoder in ENCODERS:
+    for encoder in encoders_in(results):
         points = [
             (f, statistics.mean(v)) for a, f in FINETUNE_ARMS.items() if (v := _values(results, encoder, a, "top1"))
         ]
         if points:
-            left.plot(*zip(*points, strict=True), marker="o", label=NAMES[encoder].split(" (")[0])
+            left.plot(*zip(*points, strict=True), marker="o", label=name_of(encoder).split(" (")[0])
         curves = {s: r["metrics"]["knn"] for (s, e, a), r in sorted(results.items()) if (e, a) == (encoder, "pretrain")}
         for seed, curve in curves.items():
             if curve:

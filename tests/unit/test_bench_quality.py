@@ -136,15 +136,10 @@ def test_table_holds_the_reference_the_last_evaluation_means_over_seeds_and_wall
     assert "- machine line" in lines and lines[-1] == "PLOT"
 
 
-def test_plot_is_written_or_its_absence_said(tmp_path):
+def test_plot_is_written_as_a_png(tmp_path):
     _fake_results(tmp_path)
     results = qr.collect(tmp_path)
     note = qr.plot(results, tmp_path / "out" / "quality.png")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert note.startswith("No plot: matplotlib is not installed") and not (tmp_path / "out").exists()
-        return
     assert note == "![accuracy vs labels, kNN during pretraining](quality.png)"
     assert (tmp_path / "out" / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -153,3 +148,29 @@ def test_a_finetune_run_without_evaluation_is_an_error_naming_the_file(tmp_path)
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match="metrics.jsonl holds no val/top1"):
         qr.summarise_run("finetune", tmp_path)
+
+
+def test_a_variant_is_its_own_encoder_pretrained_from_its_recipe(tmp_path):
+    arms = bq.plan(tmp_path, objectives=["mae_crop08"], seeds=[0], shards=Path("/s"), subsets=Path("/sub"), scale=1.0)
+    by_name = {a.name: a for a in arms}
+    pretrain = by_name["seed0/mae_crop08/pretrain"]
+    assert pretrain.recipe == BENCH / "mae_crop08.yaml" and "seed0/mae_crop08/tokenizer" not in by_name
+    assert load_config(pretrain.recipe, list(pretrain.overrides)).data.crop_scale == (0.8, 1.0)
+    assert (
+        f"model.init={tmp_path / 'seed0/mae_crop08/pretrain/export'}" in by_name["seed0/mae_crop08/ft_1pct"].overrides
+    )
+    assert bq.variant_lines(["mae", "mae_crop08", "scratch"]) == [
+        "- `mae_crop08`: recipes/bench/mae_crop08.yaml, mae.yaml with data.crop_scale=[0.8, 1.0]"
+    ]
+    with pytest.raises(SystemExit):  # neither an objective nor a variant recipe of one
+        bq.main(["--objectives", "mae_nope", "--root", str(tmp_path)])
+
+
+def test_a_variants_row_follows_its_objectives(tmp_path):
+    _fake_results(tmp_path)
+    _fake_arm(tmp_path, 0, "mae_crop08", "ft_1pct", "finetune", 30.0, records=[{"step": 10, "val/top1": 0.83}])
+    results = qr.collect(tmp_path)
+    assert qr.encoders_in(results) == ["mae", "mae_crop08", "beit", "scratch"]
+    rows = [line.split(" | ")[0] for line in qr.accuracy_table(results)[3:]]
+    assert rows == ["| MAE", "| MAE, variant `mae_crop08`", "| scratch (no pretraining)"]
+    assert "| MAE, variant `mae_crop08` | 0.8300 | - | - | - | - | - |" in qr.accuracy_table(results)
