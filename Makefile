@@ -58,7 +58,7 @@ quickstart-beit: quickstart-data
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir runs"
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit
