@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from core.engine.checkpoint import RNGState
 from core.engine.ds_compat import is_partitioned
@@ -64,6 +64,23 @@ class Utilisation:
         return self.flops_per_step * images_per_sec / self.samples_per_step / self.peak_flops
 
 
+def _cpu_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
+"""torch's FlopCounterMode has formulas for the GPU attention kernels but none for the CPU one, which modules that
+call F.scaled_dot_product_attention themselves (T2T-ViT, VT) reach on CPU; timm's blocks are switched to their
+explicit attention for the count instead."""
+
+
 def count_step_flops(module: nn.Module, batch: dict, *, precision: str, device: torch.device) -> int:
     """Model FLOPs of forward + backward of `module` on `batch` (already on `device`), counted on a deep copy.
 
@@ -86,7 +103,7 @@ def count_step_flops(module: nn.Module, batch: dict, *, precision: str, device: 
         if getattr(sub, "grad_checkpointing", False):
             sub.grad_checkpointing = False
     try:
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
             with autocast_context(precision, device):
                 out = twin(batch)
             out["loss"].float().backward()

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from core.config import Config
 from core.engine.distributed import DistInfo
@@ -64,6 +65,30 @@ def test_cpu_sdpa_is_counted_like_the_explicit_attention():
     set_attention(objective, "sdpa", CPU)
     assert count_step_flops(objective, batch, precision="bf16", device=CPU) == math_count
     assert all(block.attn.fused_attn for block in objective.model.blocks)  # the run's own choice is kept
+
+
+def test_a_module_calling_sdpa_itself_is_counted_like_explicit_attention():
+    """T2T-ViT and VT call F.scaled_dot_product_attention directly, so on CPU they reach the fused kernel, which
+    torch's counter has no formula for: forward and backward must still count as the explicit products do."""
+
+    class Attend(torch.nn.Module):
+        def __init__(self, fused: bool):
+            super().__init__()
+            self.fused, self.proj = fused, torch.nn.Linear(32, 32)
+
+        def forward(self, batch: dict) -> dict:
+            q = k = v = self.proj(batch["x"])  # (B, N, 32)
+            if self.fused:
+                out = F.scaled_dot_product_attention(q, k, v)
+            else:
+                out = (q @ k.transpose(1, 2) / 32**0.5).softmax(dim=-1) @ v
+            return {"loss": out.square().mean()}
+
+    batch = {"x": torch.randn(2, 50, 32)}
+    explicit = count_step_flops(Attend(fused=False), batch, precision="fp32", device=CPU)
+    assert explicit > 3 * 2 * (2 * 2 * 50 * 32 * 32)  # more than the Linear's forward and backward: attention is in
+    recompute = 2 * 2 * 50 * 50 * 32  # the fused backward recomputes Q K^T, as torch counts its GPU kernels too
+    assert count_step_flops(Attend(fused=True), batch, precision="fp32", device=CPU) == explicit + recompute
 
 
 def test_activation_checkpointing_recomputation_is_not_counted():
