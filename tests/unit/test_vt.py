@@ -6,6 +6,7 @@ import timm
 import torch
 from timm.optim import param_groups_layer_decay
 
+from core.engine.utilisation import CPU_ATTENTION_FLOPS
 from core.vt import VARIANTS, Projector, Tokenizer
 
 SMALL = dict(token_dim=64, num_classes=10)  # full ResNet stages, narrow tokens
@@ -96,7 +97,7 @@ def test_multiply_adds_at_224_px_are_the_readme_figures(name, gmacs, paper):
     from torch.utils.flop_counter import FlopCounterMode
 
     model = timm.create_model(name).eval()
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter, torch.no_grad():
         model(torch.randn(1, 3, 224, 224))
     measured = counter.get_total_flops() / 2e9
     assert measured == pytest.approx(gmacs, abs=1e-4)
@@ -127,14 +128,10 @@ def test_projector_folds_the_query_weight_into_the_keys_without_changing_the_res
 def test_projector_multiply_adds_at_the_r50_width_are_token_side():
     """At C = C_T = 1024 and 14 x 14 pixels: T W_K and its product with W_Q (16 x C^2 each), then the pixel-token
     logits and the weighted sum (HW x L x C each), and nothing of HW x C^2 (which alone would be 206M)."""
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
-
-    def cpu_sdpa(query, key, value, *args, out_shape=None, **kwargs) -> int:  # torch has no formula for this kernel
-        return sdpa_flop_count(query, key, value)
+    from torch.utils.flop_counter import FlopCounterMode
 
     projector = Projector(channels=1024, token_dim=1024)
-    cpu_kernel = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa}
-    with FlopCounterMode(display=False, custom_mapping=cpu_kernel) as counter, torch.no_grad():
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter, torch.no_grad():
         projector(torch.randn(1, 196, 1024), torch.randn(1, 16, 1024))
     assert counter.get_total_flops() // 2 == 2 * 16 * 1024 * 1024 + 2 * 196 * 16 * 1024
 
