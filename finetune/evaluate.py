@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from core.engine.distributed import DistInfo, all_reduce
 from core.engine.loop import autocast_context, to_device
+from core.metrics import topk_correct
 from core.pictures import labelled_matrix
-from finetune.classification import topk_correct
 
 # Colour map of `confusion_image`: a row-normalised fraction of 0 is white, 1 is dark blue (matplotlib "Blues" ends).
 _WHITE = (1.0, 1.0, 1.0)

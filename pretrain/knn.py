@@ -30,11 +30,11 @@ from torch import nn
 
 from core.engine.distributed import DistInfo, all_gather_rows, all_reduce
 from core.engine.loop import autocast_context, to_device
+from core.metrics import topk_correct
 from core.sections import KNNConfig
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
 from data.transforms import eval_transform
-from finetune.classification import topk_correct
 
 _QUERY_CHUNK = 1024  # queries scored at once: the (chunk, N) similarity matrix bounds the memory
 
