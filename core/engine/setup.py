@@ -236,5 +236,7 @@ def parallelize(
         engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
     if cfg.engine.zero_stage == 3:
         ds_compat.skip_identity_grad_passes(engine.optimizer)
+    elif cfg.engine.zero_stage in (1, 2):
+        ds_compat.share_zero12_masters(engine.optimizer)
     ds_compat.skip_single_rank_allreduce(engine)
     return engine, optimizer

@@ -49,6 +49,15 @@ def test_fp32_master_weights_are_the_parameter_partitions(built):
     assert built["master_is_partition"] and all(built["master_is_partition"])
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_step_the_parameter_partitions_and_train_like_zero0(built, stage):
+    """ZeRO-1/2 keep no fp32 master copy either (ds_compat.py `share_zero12_masters`): each rank's master partition is
+    its slice of the flat parameter buffer, and 3 clipped SGD steps on 2 ranks end where ZeRO-0's do."""
+    result = built[f"zero{stage}"]
+    assert result["master_is_partition"] and all(result["master_is_partition"])
+    assert result["max_diff"] < 1e-6 * built["clip_0.01"]["updates"][1]
+
+
 def test_zero3_trains_like_zero0_with_and_without_clipping(built):
     """3 fp32 steps on 2 ranks from the same weights: ZeRO-3's trimmed step (per-block gathering, Linear32, no norm or
     unscale without clipping) moves every parameter as ZeRO-0 does, and with clipping it still clips."""

@@ -1,6 +1,6 @@
 """Worker for test_zero_init_dist.py (run under torchrun, 2 processes): builds the MAE and BEiT objectives under
 deepspeed.zero.Init as `parallelize` does, with their optimizer groups, then one through the engine; trains MAE at
-ZeRO-3 and at ZeRO-0 from the same weights on the same batches; writes from rank 0 what it saw to
+ZeRO-3, ZeRO-0, ZeRO-1 and ZeRO-2 from the same weights on the same batches; writes from rank 0 what it saw to
 OUT/zero_init.json."""
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ def summary(cfg, objective, optimizer) -> dict:
     return out
 
 
-def trained(out: Path, dist, stage: int, grad_clip: float, start: dict | None) -> tuple[dict, dict]:
+def trained(out: Path, dist, stage: int, grad_clip: float, start: dict | None) -> tuple[dict, dict, object]:
     """MAE's trainable weights (by name) before and after 3 fp32 SGD steps through `parallelize` at `stage`, each rank
-    on its own batches, starting from `start` or from the build's own initialisation. (SGD: an update is the gradient
-    times the lr, so a difference in the gradients shows at its own size; Adam would blow up rounding noise in
-    gradients that are zero in exact arithmetic, such as the attention's key bias.)"""
+    on its own batches, starting from `start` or from the build's own initialisation; and the engine. (SGD: an update
+    is the gradient times the lr, so a difference in the gradients shows at its own size; Adam would blow up rounding
+    noise in gradients that are zero in exact arithmetic, such as the attention's key bias.)"""
     overrides = [*MODEL.split(), *KINDS["mae"].split(), f"engine.zero_stage={stage}", "engine.precision=fp32"]
     overrides += [
         f"optim.grad_clip={grad_clip}",
@@ -76,7 +76,7 @@ def trained(out: Path, dist, stage: int, grad_clip: float, start: dict | None) -
         engine.backward(loss)
         engine.step()
     with gathered(params.values()):
-        return initial, {name: p.detach().clone() for name, p in params.items()}
+        return initial, {name: p.detach().clone() for name, p in params.items()}, engine
 
 
 def main(out: Path) -> None:
@@ -106,12 +106,25 @@ def main(out: Path) -> None:
     # ZeRO-3's trimmed step (zero3_runtime.py: per-block gathering, Linear32; ds_compat.py: no norm / unscale without
     # clipping) against ZeRO-0, without and with clipping (0.01 clips every step here).
     for clip in (0.0, 0.01):
-        start, zero3 = trained(out, dist, 3, clip, None)
-        _, zero0 = trained(out, dist, 0, clip, start)
+        start, zero3, _ = trained(out, dist, 3, clip, None)
+        _, zero0, _ = trained(out, dist, 0, clip, start)
         updates = {k: (zero3[k] - start[k]).abs().max().item() for k in zero3}
         result[f"clip_{clip}"] = {
             "max_relative_diff": max((zero3[k] - zero0[k]).abs().max().item() / updates[k] for k in zero3),
             "updates": [min(updates.values()), max(updates.values())],
+        }
+    # ZeRO-1/2 step each rank's partition of the fp32 parameters itself (ds_compat.py `share_zero12_masters`), and
+    # move every parameter as ZeRO-0 does (the last start and ZeRO-0 run, with clipping).
+    for stage in (1, 2):
+        _, moved, engine = trained(out, dist, stage, 0.01, start)
+        zero = engine.optimizer
+        own = [parts[dist.rank] for parts in zero.parallel_partitioned_bit16_groups]
+        result[f"zero{stage}"] = {
+            "master_is_partition": [
+                m.data_ptr() == p.data_ptr() and m.numel() == p.numel() > 0
+                for m, p in zip(zero.single_partition_of_fp32_groups, own, strict=True)
+            ],
+            "max_diff": max((moved[k] - zero0[k]).abs().max().item() for k in moved),
         }
     if dist.rank == 0:
         (out / "zero_init.json").write_text(json.dumps(result))

@@ -30,6 +30,7 @@ from tests.unit.conftest import tiny_vit
 REPO = Path(__file__).resolve().parents[2]
 
 STAGE3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+ZERO12 = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
 INIT = "deepspeed.runtime.zero.partition_parameters.Init"
 ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 UNFUSED = "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer"
@@ -61,6 +62,7 @@ def test_check_runs_every_patch_and_names_are_known():
         "zero3_param_attributes",
         "zero_init_apply",
         "fp32_master_shared",
+        "zero12_master_shared",
         "skip_identity_grad_passes",
         "single_rank_no_allreduce",
         "zero0_fp16_loss_scale",
@@ -77,6 +79,7 @@ MISSING = [
     ("zero_init_apply", "deepspeed.runtime.zero.partition_parameters.InsertPostInitMethodToModuleSubClasses",
      "patch_init_and_builtins"),
     ("fp32_master_shared", STAGE3, "_create_fp32_partitions"),
+    ("zero12_master_shared", ZERO12, "_link_all_hp_params"),
     ("skip_identity_grad_passes", STAGE3, "_get_norm_groups"),
     ("skip_identity_grad_passes", STAGE3, "unscale_and_clip_grads"),
     ("single_rank_no_allreduce", ENGINE, "_backward_epilogue"),
@@ -218,34 +221,82 @@ def test_single_rank_allreduce_is_dropped_only_at_zero0_on_one_rank():
         assert not ds_compat.skip_single_rank_allreduce(kept) and kept.enable_backward_allreduce
 
 
-def test_one_rank_zero0_trains_the_same_without_the_allreduce(tmp_path, monkeypatch):
-    """Dropping the identity all-reduce changes no bit of a one-rank ZeRO-0 run: four steps with and without it."""
-    monkeypatch.setenv("LOCAL_RANK", "0")  # what torchrun sets; DeepSpeed asserts it
-    torch.distributed.init_process_group(
-        "gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
-    )
-    try:
-        weights = {}
-        for skip in (True, False):
-            if not skip:
-                monkeypatch.setattr(ds_compat, "skip_single_rank_allreduce", lambda engine: False)
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
-            cfg = load_config(None, [f"run_dir={tmp_path}", "engine.zero_stage=0", "data.global_batch_size=4"])
-            dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-            engine, optimizer = parallelize(model, cfg=cfg, dist=dist, run_dir=tmp_path)
-            assert engine.enable_backward_allreduce is not skip
-            for _ in range(4):
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = engine(torch.randn(4, 8)).float().pow(2).mean()
-                engine.backward(loss)
-                with optimizer.guard(skip=False, measure=False):
-                    engine.step()
-            weights[skip] = [p.detach().clone() for p in model.parameters()]
-        assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False], strict=True))
-        assert not torch.equal(weights[True][0], torch.nn.Linear(8, 16).weight)  # it did train
-    finally:
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """A one-process gloo group, as torchrun would make it, for engines built by `parallelize`: one for the module,
+    since DeepSpeed keeps the groups it derives from the first one it sees."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LOCAL_RANK", "0")  # what torchrun sets; DeepSpeed asserts it
+        store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("one_rank") / "store"), 1)
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        yield DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
         torch.distributed.destroy_process_group()
+
+
+def _trained(dist, run_dir: Path, stage: int, steps: int = 4):
+    """(engine, model, its initial weights) after `steps` bf16-autocast AdamW steps of a small MLP through
+    `parallelize` at `stage`."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    initial = [p.detach().clone() for p in model.parameters()]
+    cfg = load_config(None, [f"run_dir={run_dir}", f"engine.zero_stage={stage}", "data.global_batch_size=4"])
+    engine, optimizer = parallelize(model, cfg=cfg, dist=dist, run_dir=run_dir)
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = engine(torch.randn(4, 8)).float().pow(2).mean()
+        engine.backward(loss)
+        with optimizer.guard(skip=False, measure=False):
+            engine.step()
+    return engine, model, initial
+
+
+def test_one_rank_zero0_trains_the_same_without_the_allreduce(one_rank, tmp_path, monkeypatch):
+    """Dropping the identity all-reduce changes no bit of a one-rank ZeRO-0 run: four steps with and without it."""
+    weights = {}
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(ds_compat, "skip_single_rank_allreduce", lambda engine: False)
+        engine, model, initial = _trained(one_rank, tmp_path, 0)
+        assert engine.enable_backward_allreduce is not skip
+        weights[skip] = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False], strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(weights[True], initial, strict=True))  # it did train
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_steps_the_parameters_themselves_and_trains_the_same(one_rank, tmp_path, monkeypatch, stage):
+    """With the masters shared, the ZeRO-1/2 optimizer's fp32 partition is the parameters' own storage, what DeepSpeed
+    reports as each parameter's fp32 value is the parameter, and four AdamW steps end on the same bits as with
+    DeepSpeed's own master copy."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    engine, model, initial = _trained(one_rank, tmp_path, stage)
+    zero = engine.optimizer
+    for master, flat, group in zip(
+        zero.single_partition_of_fp32_groups, zero.bit16_groups_flat, zero.optimizer.param_groups, strict=True
+    ):
+        assert master.data_ptr() == flat.data_ptr() and master.numel() == flat.numel()  # one rank: the whole buffer
+        assert group["params"] == [master] and master in zero.optimizer.state
+    assert all(torch.equal(safe_get_full_fp32_param(p), p) for p in model.parameters())
+    shared = [p.detach().clone() for p in model.parameters()]
+
+    monkeypatch.setattr(ds_compat, "share_zero12_masters", lambda zero: False)
+    engine, model, _ = _trained(one_rank, tmp_path, stage)
+    zero = engine.optimizer
+    assert all(
+        m.data_ptr() != f.data_ptr()
+        for m, f in zip(zero.single_partition_of_fp32_groups, zero.bit16_groups_flat, strict=True)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(shared, model.parameters(), strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(shared, initial, strict=True))  # every parameter moved
+
+
+def test_zero12_masters_are_not_shared_with_offload_or_fp16_weights():
+    def zero(**settings):  # a stand-in ZeRO-1/2 optimizer with what the patch reads before it changes anything
+        return SimpleNamespace(**{"cpu_offload": False, "bit16_groups_flat": [torch.ones(3)], **settings})
+
+    assert not ds_compat.share_zero12_masters(zero(cpu_offload=True))
+    assert not ds_compat.share_zero12_masters(zero(bit16_groups_flat=[torch.ones(3, dtype=torch.float16)]))
 
 
 def test_a_backward_that_reduces_without_the_flag_fails(monkeypatch):
