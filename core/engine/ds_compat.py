@@ -12,7 +12,7 @@ Patches (`PATCHES`, by name):
     zero3_param_attributes     ZeRO-3 parameters' ds_id / ds_tensor / ds_numel / ds_shape / ds_status
     zero_init_apply            deepspeed.zero.Init gathers a module's own weights around `Module.apply`
     fp32_master_shared         Stage3._create_fp32_partitions, patched while the optimizer is built
-    zero12_master_shared       the ZeRO-1/2 optimizer's fp32 master partitions, made views of the parameters'
+    zero12_master_shared       DeepSpeedZeroOptimizer's fp32 master partitions, replaced by views of the parameters
     skip_identity_grad_passes  Stage3._get_norm_groups / unscale_and_clip_grads, replaced on one optimizer
     single_rank_no_allreduce   DeepSpeedEngine.enable_backward_allreduce, cleared on a one-rank ZeRO-0 engine
     zero0_fp16_loss_scale      engine.backward leaves the loss unscaled at ZeRO-0 fp16; the wrappers' loss_scale
