@@ -80,7 +80,7 @@ format: install
 # then the quickstart models' fixed per-step cost (engine / plain timm loop; `--before REV` adds an older tree).
 OFFICIAL_MAE ?=
 bench: install
-	$(PY) benchmarks/bench_engine.py --batch 32 --allocators tcmalloc --rounds 3 \
+	$(PY) benchmarks/bench_engine.py --batch 32 --allocators tcmalloc --rounds 3 --compile-stages 2 \
 	  $(if $(OFFICIAL_MAE),--official-mae $(OFFICIAL_MAE)) --out benchmarks/results/engine_batch32.md
 	$(PY) benchmarks/bench_overhead.py
 

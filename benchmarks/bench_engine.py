@@ -6,6 +6,7 @@ torch loop on the same model, batch, param groups and AdamW (bf16 autocast over 
     .venv/bin/python benchmarks/bench_engine.py --matrix   # + plain/ZeRO-1 x AdamW kernel x malloc
     .venv/bin/python benchmarks/bench_engine.py --stages 1,2 --ds zero_optimization.compute_grad_norm=false
     .venv/bin/python benchmarks/bench_engine.py --official-mae ~/mae  # + the official MAE step and the ceiling
+    .venv/bin/python benchmarks/bench_engine.py --compile-stages 2     # + ZeRO-2 with engine.compile: true
 
 Every configuration runs in a fresh subprocess (clean DeepSpeed and allocator state, its own environment); the
 configurations are interleaved over --rounds, in reverse order on odd rounds, so that load from other processes falls
@@ -44,6 +45,7 @@ PRELOADS = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.
 # 400 MiB buffer freed in one step is reused in the next instead of being page-faulted in again.
 MALLOC_KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 MALLOC_NAMES = ("glibc", "glibc-keep", *PRELOADS)
+OFFICIAL_RUNNERS = {"official": "official MAE code", "official-sdpa": "official MAE code, timm 1.0 SDPA attention"}
 
 
 def allocator_env(name: str) -> dict[str, str] | None:
@@ -66,17 +68,21 @@ class Case:
     ds: tuple[str, ...] = ()
     """Overrides `a.b=value` of the DeepSpeed JSON that core.engine.setup generates (engine cases only)."""
     kind: str = "ours"
-    """"ours" (plain loop or engine), "official" (benchmarks/official_mae.py) or "ceiling" (benchmarks/ceiling.py)."""
+    """"ours" (plain loop or engine), "official" / "official-sdpa" (benchmarks/official_mae.py: attention as timm
+    0.3.2 computed it / timm 1.0's fused SDPA) or "ceiling" (benchmarks/ceiling.py)."""
+    compiled: bool = False
+    """engine.compile: true (engine cases only)."""
 
     @property
     def runner(self) -> str:
-        if self.kind == "official":
-            return "official MAE code"
+        if self.kind in OFFICIAL_RUNNERS:
+            return OFFICIAL_RUNNERS[self.kind]
         if self.kind == "ceiling":
             return "autocast-Linear ceiling"
         if self.zero_stage is None:
             return "plain torch loop"
-        return f"engine ZeRO-{self.zero_stage}" + "".join(f" + `{item}`" for item in self.ds)
+        compiled = " compiled" if self.compiled else ""
+        return f"engine ZeRO-{self.zero_stage}{compiled}" + "".join(f" + `{item}`" for item in self.ds)
 
 
 # ---------------------------------------------------------------- worker: one configuration in its own process
@@ -92,6 +98,7 @@ def build_config(spec: dict):
         "model.patch_size=16",
         f"data.global_batch_size={spec['batch']}",
         f"engine.zero_stage={spec['zero_stage'] or 0}",
+        f"engine.compile={str(spec['compiled']).lower()}",
         "engine.precision=bf16",
         "engine.device=cpu",
         f"schedule.steps={spec['warmup'] + spec['steps'] + 1}",
@@ -292,7 +299,7 @@ def worker(spec_json: str) -> None:
         extra = measure_ceiling(spec, clock)
         result = clock.report(0, TRIALS)
     else:
-        if spec["kind"] == "official":
+        if spec["kind"] in OFFICIAL_RUNNERS:
             from benchmarks.official_mae import run_official
 
             extra["flops"] = run_official(spec, images, clock)
@@ -323,6 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", default="fused", choices=OPTIMIZERS, help="AdamW kernel (default: fused)")
     p.add_argument("--ds", action="append", default=[], metavar="KEY=VALUE", help="DeepSpeed JSON override to try")
     p.add_argument("--ds-stages", help="stages to run again with the --ds overrides (default: --stages)")
+    p.add_argument("--compile-stages", default="", help="stages to run again with engine.compile: true (default: none)")
     p.add_argument("--matrix", action="store_true", help="add plain/ZeRO-1 x fused/forloop x every malloc")
     p.add_argument("--max-others-load", type=float, default=0.2, help="repeat a run when others used more (0.2)")
     p.add_argument("--retries", type=int, default=2, help="repeats allowed per run (default: 2)")
@@ -352,10 +360,12 @@ def build_cases(args: argparse.Namespace) -> tuple[list[Case], list[Case], list[
     """(main table, malloc x kernel table, official code and ceiling)."""
     stages = [int(stage) for stage in args.stages.split(",")]
     ds_stages = [int(stage) for stage in (args.ds_stages or args.stages).split(",")] if args.ds else []
+    compile_stages = [int(stage) for stage in args.compile_stages.split(",") if stage]
     main = []
     for allocator in installed(args.allocators.split(",")):
         main += [Case(stage, args.optimizer, allocator) for stage in [None, *stages]]
         main += [Case(stage, args.optimizer, allocator, tuple(args.ds)) for stage in ds_stages]
+        main += [Case(stage, args.optimizer, allocator, compiled=True) for stage in compile_stages]
     matrix = []
     if args.matrix:
         for optimizer, allocator in itertools.product(("fused", "forloop"), installed(list(MALLOC_NAMES))):
@@ -363,7 +373,8 @@ def build_cases(args: argparse.Namespace) -> tuple[list[Case], list[Case], list[
     side = []
     if args.official_mae:  # torch's AdamW picks its for-loop kernel on CPU, where main_pretrain.py sets none
         allocator = installed(args.allocators.split(","))[-1]
-        side = [Case(None, "forloop", allocator, kind="official"), Case(None, "-", allocator, kind="ceiling")]
+        side = [Case(None, "forloop", allocator, kind=kind) for kind in OFFICIAL_RUNNERS]
+        side.append(Case(None, "-", allocator, kind="ceiling"))
     return main, matrix, side
 
 

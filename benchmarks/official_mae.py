@@ -7,7 +7,8 @@ torch 2, it needs these shims, each applied in the benchmark's worker process on
 - `Block(..., qk_scale=None, ...)`: timm 1.0's Block has no `qk_scale`. `Timm032Block` takes timm 0.3.2's arguments
   and builds timm 1.0's Block (same parameter names and maths) with the explicit q @ k^T, softmax, @ v attention
   that timm 0.3.2 ran, instead of timm 1.0's default `F.scaled_dot_product_attention` (which our engine also avoids
-  on CPU: 2.3x slower in bf16 there).
+  on CPU: 2.3x slower in bf16 there). The "official-sdpa" runner keeps timm 1.0's SDPA: the official code as it
+  runs when installed beside today's timm, which is how issue 15's reference figures were taken.
 - `util/pos_embed.py` uses `np.float` (removed in NumPy 1.24) and `util/misc.py` imports `torch._six.inf` (removed
   in torch 2.0): `np.float = float` and a `torch._six` module holding `inf`, only where they are missing.
 - `engine_pretrain.train_one_epoch` enters `torch.cuda.amp.autocast()` (fp16 on a GPU, nothing on CPU tensors) and
@@ -39,7 +40,8 @@ OFFICIAL_FILES = ("models_mae.py", "engine_pretrain.py", "util/misc.py", "util/l
 
 
 class Timm032Block(Block):
-    """timm 0.3.2's `Block` signature over timm 1.0's Block, attention computed as timm 0.3.2 did (no SDPA)."""
+    """timm 0.3.2's `Block` signature over timm 1.0's Block, attention computed as timm 0.3.2 did (no SDPA) unless
+    `fused_attn`."""
 
     def __init__(
         self,
@@ -53,6 +55,8 @@ class Timm032Block(Block):
         drop_path: float = 0.0,
         act_layer: type[nn.Module] = nn.GELU,
         norm_layer: type[nn.Module] = nn.LayerNorm,
+        *,
+        fused_attn: bool = False,
     ) -> None:
         super().__init__(
             dim,
@@ -67,7 +71,7 @@ class Timm032Block(Block):
         )
         if qk_scale is not None:  # timm 0.3.2: scale = qk_scale or head_dim ** -0.5
             self.attn.scale = qk_scale
-        self.attn.fused_attn = False
+        self.attn.fused_attn = fused_attn
 
 
 def install_import_shims() -> list[str]:
@@ -94,8 +98,9 @@ def cpu_autocast_for_cuda_amp() -> None:
     torch.cuda.synchronize = lambda *args, **kwargs: None
 
 
-def load_official(path: str | Path) -> types.SimpleNamespace:
-    """Imports models_mae, engine_pretrain (it imports util.lr_sched) and util.misc from the checkout at `path`.
+def load_official(path: str | Path, sdpa: bool = False) -> types.SimpleNamespace:
+    """Imports models_mae, engine_pretrain (it imports util.lr_sched) and util.misc from the checkout at `path`; its
+    blocks compute attention as timm 0.3.2 did, or through timm 1.0's `F.scaled_dot_product_attention` if `sdpa`.
 
     Raises:
         FileNotFoundError: `path` lacks one of the files the runner uses, named in the message.
@@ -108,7 +113,8 @@ def load_official(path: str | Path) -> types.SimpleNamespace:
     sys.path.insert(0, str(root))
     names = {"models_mae": "models_mae", "engine_pretrain": "engine_pretrain", "misc": "util.misc"}
     modules = {key: importlib.import_module(name) for key, name in names.items()}
-    modules["models_mae"].Block = Timm032Block  # looked up when the model is built, not at import
+    # looked up when the model is built, not at import
+    modules["models_mae"].Block = partial(Timm032Block, fused_attn=sdpa)
     return types.SimpleNamespace(**modules, shims=shims)
 
 
@@ -133,8 +139,8 @@ def run_official(spec: dict, images: torch.Tensor, clock) -> float:
     """Builds mae_vit_base_patch16 (norm_pix_loss) as main_pretrain.py does and times train_one_epoch on `images`.
 
     Args:
-        spec: The worker's spec: `official_mae` (checkout path), `model` (a core.models.VIT_SIZES key), `warmup`,
-            `steps`.
+        spec: The worker's spec: `official_mae` (checkout path), `kind` ("official-sdpa": timm 1.0's SDPA attention),
+            `model` (a core.models.VIT_SIZES key), `warmup`, `steps`.
         images: (B, 3, H, W) one batch, drawn every step.
         clock: bench_engine's Clock: marked at every batch draw; backward, step phase and AdamW.step timed.
 
@@ -144,7 +150,7 @@ def run_official(spec: dict, images: torch.Tensor, clock) -> float:
     """
     from timm.optim import param_groups_weight_decay
 
-    official = load_official(spec["official_mae"])
+    official = load_official(spec["official_mae"], sdpa=spec["kind"] == "official-sdpa")
     cpu_autocast_for_cuda_amp()
     torch.manual_seed(0)
     model = build_official_model(official.models_mae, spec["model"], images.shape[-1])

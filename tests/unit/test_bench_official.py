@@ -18,7 +18,7 @@ from benchmarks.bench_engine import Case, build_cases, parse_args
 from benchmarks.ceiling import LinearShape, encoder_mlp_shape, time_autocast_linear, utilisation
 from benchmarks.official_mae import OFFICIAL_FILES, RepeatedBatch, Timm032Block, install_import_shims, load_official
 from benchmarks.profile_step import kind_of
-from benchmarks.side_by_side import goal_lines, render_side_by_side, summarize_ceiling
+from benchmarks.side_by_side import goal_lines, reference_lines, render_side_by_side, summarize_ceiling
 
 # The lines of the official code that fail against timm 1.0, NumPy 2 and torch 2 without the shims.
 STAND_IN = {
@@ -58,6 +58,10 @@ def test_timm032_block_matches_timm_block_with_explicit_attention():
     x = torch.randn(2, 5, 32)  # (B, N, D)
     assert not old.attn.fused_attn  # timm 0.3.2's q @ k^T, softmax, @ v
     torch.testing.assert_close(old(x), new(x), rtol=1e-5, atol=1e-5)
+    sdpa = Timm032Block(32, 4, 4.0, qkv_bias=True, qk_scale=None, norm_layer=nn.LayerNorm, fused_attn=True).eval()
+    sdpa.load_state_dict(old.state_dict())
+    assert sdpa.attn.fused_attn  # the official-sdpa runner: timm 1.0's F.scaled_dot_product_attention
+    torch.testing.assert_close(sdpa(x), old(x), rtol=1e-5, atol=1e-5)
 
 
 def test_timm032_block_takes_qk_scale():
@@ -77,13 +81,15 @@ def test_import_shims_restore_removed_names(clean_imports):
     assert install_import_shims() == []  # nothing left to shim
 
 
-def test_load_official_imports_a_checkout_through_the_shims(tmp_path: Path, clean_imports):
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_load_official_imports_a_checkout_through_the_shims(tmp_path: Path, clean_imports, sdpa: bool):
     for name, text in STAND_IN.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
-    official = load_official(tmp_path)
+    official = load_official(tmp_path, sdpa=sdpa)
     block = official.models_mae.build()  # timm 1.0's Block would reject qk_scale
     assert isinstance(block, Timm032Block) and block.attn.num_heads == 2 and block.mlp.fc1.in_features == 8
+    assert block.attn.fused_attn is sdpa
     assert math.isinf(official.misc.INF) and official.misc.INF > 0
     assert official.engine_pretrain.misc is official.misc
 
@@ -160,15 +166,47 @@ def test_side_by_side_table_and_goals():
         "- ZeRO-2 of the ceiling: 98% / 100% by wall-clock / CPU time (goal >= 85%: met / met)",
         "- ZeRO-2 over the plain loop: +2.0% / -20.0% by wall-clock / CPU time (goal <= 3%: met / met)",
     ]
+    ours["engine ZeRO-2 compiled"] = {**_summary(8.0, 8.0), **base}
+    lines = goal_lines(ours, official, ceiling)
+    assert lines[2:4] == [
+        "- ZeRO-2 compiled step vs the official code: 1.88x / 2.00x by wall-clock / CPU time (goal >= 1.5x: met / met)",
+        "- ZeRO-2 compiled of the ceiling: 125% / 100% by wall-clock / CPU time (goal >= 85%: met / met)",
+    ]
+    assert len(lines) == 5 and "compiled over" not in lines[4]  # the overhead goal is read on eager stages only
+    sdpa = {"official MAE code, timm 1.0 SDPA attention": _summary(20.4, 24.0)}
+    assert reference_lines(ours, sdpa) == [
+        "- ZeRO-2 step vs the official MAE code, timm 1.0 SDPA attention: 2.00x / 3.00x by wall-clock / CPU time",
+        "- ZeRO-2 compiled step vs the official MAE code, timm 1.0 SDPA attention: 2.55x / 3.00x by wall-clock / "
+        "CPU time",
+    ]
 
 
 def test_build_cases_adds_the_official_code_and_the_ceiling():
     args = parse_args(["--allocators", "glibc", "--stages", "2", "--official-mae", "/somewhere/mae"])
     main, _, side = build_cases(args)
     assert main == [Case(None, "fused", "glibc"), Case(2, "fused", "glibc")]
-    assert side == [Case(None, "forloop", "glibc", kind="official"), Case(None, "-", "glibc", kind="ceiling")]
-    assert [case.runner for case in side] == ["official MAE code", "autocast-Linear ceiling"]
+    assert side == [
+        Case(None, "forloop", "glibc", kind="official"),
+        Case(None, "forloop", "glibc", kind="official-sdpa"),
+        Case(None, "-", "glibc", kind="ceiling"),
+    ]
+    assert [case.runner for case in side] == [
+        "official MAE code",
+        "official MAE code, timm 1.0 SDPA attention",
+        "autocast-Linear ceiling",
+    ]
     assert build_cases(parse_args(["--allocators", "glibc"]))[2] == []
+
+
+def test_build_cases_runs_compiled_stages_again():
+    main, _, _ = build_cases(parse_args(["--allocators", "glibc", "--stages", "0,2", "--compile-stages", "2"]))
+    assert main == [
+        Case(None, "fused", "glibc"),
+        Case(0, "fused", "glibc"),
+        Case(2, "fused", "glibc"),
+        Case(2, "fused", "glibc", compiled=True),
+    ]
+    assert main[-1].runner == "engine ZeRO-2 compiled"
 
 
 def test_profile_kinds():
