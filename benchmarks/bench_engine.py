@@ -340,6 +340,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATH",
         help="facebookresearch/mae checkout: add its training step and the autocast-Linear ceiling to the rounds",
     )
+    p.add_argument(
+        "--official-allocator",
+        choices=MALLOC_NAMES,
+        help="malloc of the official code's runs (default: ours, the last of --allocators; glibc: as its own "
+        "`python main_pretrain.py` runs)",
+    )
     p.add_argument("--quick", action="store_true", help="ViT-Ti at 64 px, 1 warm-up + 3 steps, one round")
     p.add_argument("--out", type=Path, default=RESULTS, help="markdown result file (default: benchmarks/results/)")
     args = p.parse_args(argv)
@@ -373,7 +379,8 @@ def build_cases(args: argparse.Namespace) -> tuple[list[Case], list[Case], list[
     side = []
     if args.official_mae:  # torch's AdamW picks its for-loop kernel on CPU, where main_pretrain.py sets none
         allocator = installed(args.allocators.split(","))[-1]
-        side = [Case(None, "forloop", allocator, kind=kind) for kind in OFFICIAL_RUNNERS]
+        official = installed([args.official_allocator])[0] if args.official_allocator else allocator
+        side = [Case(None, "forloop", official, kind=kind) for kind in OFFICIAL_RUNNERS]
         side.append(Case(None, "-", allocator, kind="ceiling"))
     return main, matrix, side
 

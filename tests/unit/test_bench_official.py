@@ -18,7 +18,7 @@ from benchmarks.bench_engine import Case, build_cases, parse_args
 from benchmarks.ceiling import LinearShape, encoder_mlp_shape, time_autocast_linear, utilisation
 from benchmarks.official_mae import OFFICIAL_FILES, RepeatedBatch, Timm032Block, install_import_shims, load_official
 from benchmarks.profile_step import kind_of
-from benchmarks.side_by_side import goal_lines, reference_lines, render_side_by_side, summarize_ceiling
+from benchmarks.side_by_side import goal_lines, mallocs, reference_lines, render_side_by_side, summarize_ceiling
 
 # The lines of the official code that fail against timm 1.0, NumPy 2 and torch 2 without the shims.
 STAND_IN = {
@@ -196,6 +196,10 @@ def test_build_cases_adds_the_official_code_and_the_ceiling():
         "autocast-Linear ceiling",
     ]
     assert build_cases(parse_args(["--allocators", "glibc"]))[2] == []
+    args = parse_args(["--allocators", "glibc-keep", "--official-mae", "/mae", "--official-allocator", "glibc"])
+    assert [case.allocator for case in build_cases(args)[2]] == ["glibc", "glibc", "glibc-keep"]  # the ceiling: ours
+    assert mallocs("tcmalloc", "glibc") == "ours under tcmalloc, the official code under glibc"
+    assert mallocs("tcmalloc", "tcmalloc") == "tcmalloc"
 
 
 def test_build_cases_runs_compiled_stages_again():
