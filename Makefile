@@ -57,14 +57,19 @@ quickstart-beit: quickstart-data
 	./launch.sh recipes/quickstart_finetune.yaml model.init=runs/quickstart_beit/export run_dir=runs/quickstart_beit_finetune
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir runs"
 
+# Two test files at a time (pytest-xdist; a file's module fixtures stay in one worker): a multi-process test keeps 2
+# cores only ~60% busy while its processes start, wait on each other and write checkpoints. TEST_WORKERS=0: one at a time.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: install
-	$(PY) -m pytest -q --durations=15
+	$(PYTEST) --durations=15
 
 test-unit: install
-	$(PY) -m pytest -q tests/unit
+	$(PYTEST) tests/unit
 
 test-dist: install
-	$(PY) -m pytest -q tests/dist
+	$(PYTEST) tests/dist
 
 lint: install
 	$(VENV)/bin/ruff check .
