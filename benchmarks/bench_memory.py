@@ -52,7 +52,7 @@ def peak_gib() -> float:
 
 def worker(spec: dict) -> None:
     import torch
-    from bench_engine import MeasurementDone, train_until_done
+    from engine_step import MeasurementDone, train_until_done
 
     from core.config import load_config
     from core.engine.distributed import init_distributed

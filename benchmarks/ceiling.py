@@ -51,7 +51,7 @@ def utilisation(flops_per_step: float, seconds_per_step: float, ceiling_tflops: 
 def time_autocast_linear(shape: LinearShape, trials: int, clock=None) -> list[float]:
     """TFLOP/s of forward + backward of an fp32 `nn.Linear` under bf16 CPU autocast, one value per trial.
 
-    Each trial is one forward and backward after two untimed warm-up ones; `clock.mark()` (bench_engine's Clock) is
+    Each trial is one forward and backward after two untimed warm-up ones; `clock.mark()` (engine_step's Clock) is
     called before each trial and after the last, so that the benchmark can attribute other processes' load to it.
     """
     gen = torch.Generator().manual_seed(0)
@@ -82,8 +82,9 @@ TRIALS = 40  # forward + backward trials per ceiling process: about 3 s for ViT-
 
 
 def measure_ceiling(spec: dict, clock) -> dict:
-    """bench_engine's ceiling worker: the autocast-Linear trials on the encoder MLP shape of `spec`'s model, batch and
-    image size, then a bare bf16 matmul (core.engine.utilisation.measure_cpu_tflops) for comparison."""
+    """bench_engine's ceiling runner (in engine_step's worker): the autocast-Linear trials on the encoder MLP shape of
+    `spec`'s model, batch and image size, then a bare bf16 matmul (core.engine.utilisation.measure_cpu_tflops) for
+    comparison."""
     from core.engine.utilisation import measure_cpu_tflops
 
     shape = encoder_mlp_shape(spec["model"], spec["batch"], spec["size"])

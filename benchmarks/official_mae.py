@@ -142,7 +142,7 @@ def run_official(spec: dict, images: torch.Tensor, clock) -> float:
         spec: The worker's spec: `official_mae` (checkout path), `kind` ("official-sdpa": timm 1.0's SDPA attention),
             `model` (a core.models.VIT_SIZES key), `warmup`, `steps`.
         images: (B, 3, H, W) one batch, drawn every step.
-        clock: bench_engine's Clock: marked at every batch draw; backward, step phase and AdamW.step timed.
+        clock: engine_step's Clock: marked at every batch draw; backward, step phase and AdamW.step timed.
 
     Returns:
         Model FLOPs of one training step (forward + backward, FlopCounterMode), counted after the timed steps when

@@ -72,7 +72,7 @@ def ours_step(args: argparse.Namespace):
     import torch
     from timm.optim import param_groups_weight_decay
 
-    from benchmarks.bench_engine import build_config, mae_builder
+    from benchmarks.engine_step import build_config, mae_builder
     from core.engine.setup import set_attention
 
     spec = {"run_dir": tempfile.mkdtemp(), "model": args.model, "size": args.size, "batch": args.batch}
