@@ -79,9 +79,10 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The engine against a plain loop where the 10% target is read: MAE ViT-B, batch 32, tcmalloc (as launch.sh runs);
-# with OFFICIAL_MAE=/path/to/facebookresearch/mae also the official training step and the autocast-Linear ceiling
-# in the same rounds (the checkout is read from there, never copied here);
+# The engine against a plain loop where the 10% target is read: MAE ViT-B, batch 32, tcmalloc (as launch.sh runs),
+# ZeRO 0-3 and ZeRO-2 with engine.compile; with OFFICIAL_MAE=/path/to/facebookresearch/mae also the official training
+# step (timm 0.3.2 and timm 1.0 attention) and the autocast-Linear ceiling in the same rounds (the checkout is read
+# from there, never copied here);
 # then the quickstart models' fixed per-step cost (engine / plain timm loop; `--before REV` adds an older tree).
 OFFICIAL_MAE ?=
 bench: install
