@@ -58,7 +58,7 @@ quickstart-beit: quickstart-data
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir runs"
 
 # Two test files at a time (pytest-xdist; a file's module fixtures stay in one worker): a multi-process test keeps 2
-# cores only ~60% busy while its processes start, wait on each other and write checkpoints. TEST_WORKERS=0: one at a time.
+# cores only ~60% busy while its processes start, wait on each other and write checkpoints. TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 

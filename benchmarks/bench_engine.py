@@ -145,7 +145,9 @@ def build_cases(args: argparse.Namespace) -> tuple[list[Case], list[Case], list[
     side = []
     if args.official_mae:  # torch's AdamW picks its for-loop kernel on CPU, where main_pretrain.py sets none
         allocator = installed(args.allocators.split(","))[-1]
-        official = installed([args.official_allocator])[0] if args.official_allocator else allocator
+        official = args.official_allocator or allocator
+        if not installed([official]):
+            raise SystemExit(f"--official-allocator {official}: its library is not installed")
         side = [Case(None, "forloop", official, kind=kind) for kind in OFFICIAL_RUNNERS]
         side.append(Case(None, "-", allocator, kind="ceiling"))
     return main, matrix, side
