@@ -123,10 +123,24 @@ ZERO3_COMPILE_REASON = (
 class EngineConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 1
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    """bf16: autocast over fp32 weights; fp16: DeepSpeed fp16 with dynamic loss scaling; fp32."""
+    """bf16: autocast over fp32 weights and optimizer state, entered by the DeepSpeed engine around its forward
+    (DeepSpeed's `torch_autocast`); fp16: DeepSpeed fp16 with dynamic loss scaling; fp32."""
+    grad_reduce_dtype: Literal["bf16", "fp32"] = "bf16"
+    """bf16 runs at ZeRO-1/2/3: the dtype in which the gradients of Linear and Conv layers (>99% of a ViT's) are
+    reduced across ranks; bf16 halves the bytes a step moves (docs/communication.md). Norms, position embeddings and
+    tokens are reduced in fp32 either way, and ZeRO-0 reduces everything in fp32."""
+    tf32: bool = True
+    """CUDA: fp32 matmuls and convolutions (fp32 runs, and what autocast leaves in fp32) use TF32 tensor cores
+    (`torch.backends.cuda.matmul.allow_tf32`, `torch.backends.cudnn.allow_tf32`). No effect on CPU."""
+    sync_every_steps: int = Field(8, gt=0)
+    """How often (in optimizer steps) the ranks agree on the host whether one was asked to stop (SIGTERM) and how long
+    the streak of non-finite steps is: a host read waits for the device to finish, so it is not done every step. A
+    non-finite step's update is still skipped on the device at once; a stop is acted on within this many steps, and
+    logging, checkpoint and the last step always read."""
     grad_accum_steps: int = Field(1, gt=0)
     max_consecutive_nonfinite: int = Field(10, gt=0)
-    """Stop after this many optimizer steps in a row skipped for a non-finite loss."""
+    """Stop after this many optimizer steps in a row skipped for a non-finite loss (checked every
+    `sync_every_steps`)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention: Literal["auto", "sdpa", "math"] = "auto"
     """sdpa: torch's fused scaled_dot_product_attention; math: timm's explicit matmul-softmax attention; auto: sdpa

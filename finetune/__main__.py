@@ -11,6 +11,8 @@ import json
 import sys
 from functools import partial
 
+import torch
+
 from core.config import Config
 from core.engine.failure import run_guarded
 from core.engine.loop import LoopHooks
@@ -92,9 +94,10 @@ def resolve_global_pool(cfg: Config) -> None:
         cfg.model.global_pool = hint or "token"
 
 
-def update_ema(engine, step: int) -> None:
-    """The loop's `after_update` hook: the EMA follows the update just applied."""
-    engine.module.ema.update(engine.module.model)
+def update_ema(engine, step: int, applied: torch.Tensor) -> None:
+    """The loop's `after_update` hook: the EMA follows the update just applied (`applied` 1.0), and stays where it
+    is after a skipped one (0.0)."""
+    engine.module.ema.update(engine.module.model, applied)
 
 
 def build_objective(cfg, run, num_classes: int, *, label_smoothing: float):

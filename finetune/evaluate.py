@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from core.engine.distributed import DistInfo, all_reduce
-from core.engine.loop import autocast_context, to_device
+from core.engine.loop import to_device
 from core.metrics import topk_correct
 from core.pictures import labelled_matrix
 
@@ -66,8 +66,7 @@ def evaluate(
         real = batch is not None
         stand_in = batch if real else stand_in
         batch = to_device(stand_in, dist.device, precision)
-        with autocast_context(precision, dist.device):
-            logits = engine(batch)["logits"].float()  # (B, K)
+        logits = engine(batch)["logits"].float()  # (B, K); bf16: under the engine's own autocast
         if real:  # a stand-in is forwarded only to keep ZeRO-3 in step: weight 0, it is not added
             _accumulate(logits, batch["label"], sums, counts)
     engine.train()

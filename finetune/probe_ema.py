@@ -83,12 +83,14 @@ class WeightEMA(nn.Module):
                 owner.register_buffer(name, param.detach().float())
 
     @torch.no_grad()
-    def update(self, source: nn.Module) -> None:
-        """One EMA step towards `source` (same architecture as the copy)."""
+    def update(self, source: nn.Module, applied: torch.Tensor | float = 1.0) -> None:
+        """One EMA step towards `source` (same architecture as the copy), scaled by `applied`: 1.0 a full step, 0.0
+        none (after a skipped update; a device tensor, so the loop need not read it on the host)."""
         ema = dict(self.module.named_buffers())
         params = dict(source.named_parameters())
         ema_params = [ema[name] for name in self.param_names]
-        torch._foreach_lerp_(ema_params, [params[name].detach().float() for name in self.param_names], 1.0 - self.decay)
+        weight = (1.0 - self.decay) * applied
+        torch._foreach_lerp_(ema_params, [params[name].detach().float() for name in self.param_names], weight)
         buffers = dict(source.named_buffers())
         for name in self.buffer_names:
             ema[name].copy_(buffers[name])

@@ -1,9 +1,12 @@
 """The one training loop, shared by pretraining and fine-tuning.
 
-Per optimizer step: set the lr, run `grad_accum_steps` micro-steps (forward under autocast, backward), check that
-the loss is finite on every rank, step (or veto the update), then log / evaluate / checkpoint every N steps.
-`.item()` only happens where logging does, plus one small all-reduce per step, which carries both the finite check
-and whether any rank was asked to stop (SIGTERM, see core/engine/preempt.py).
+Per optimizer step: set the lr, run `grad_accum_steps` micro-steps (forward, under the engine's own autocast for bf16;
+backward), check on the device that the loss is finite on every rank, step (a non-finite step's update is skipped on
+the device), then log / evaluate / checkpoint every N steps.
+
+Host syncs: none on an ordinary step. The host reads values back only on logging steps and every
+`engine.sync_every_steps` (see core/engine/agreement.py): the ranks then agree whether one was asked to stop (SIGTERM,
+see core/engine/preempt.py) and how long the non-finite streak is.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.config import Config
-from core.engine import preempt
+from core.engine.agreement import StepAgreement
 from core.engine.checkpoint import RNGState, save_checkpoint
 from core.engine.compiled import compile_seconds
 from core.engine.distributed import all_reduce
@@ -72,6 +75,8 @@ class TrainState:
 
 
 def autocast_context(precision: str, device: torch.device):
+    """bf16 autocast for forwards that do not go through `engine(...)` (which enters its own, see setup.py): the kNN
+    monitor's encoder, the pictures, the FLOP count."""
     if precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -120,8 +125,9 @@ class LoopHooks:
     """Every `eval.every_steps` and at the last step; returns the scalars to log."""
     log_images: Callable[[int], None] | None = None
     """Every `logging.image_every_steps`, and at the first and last step."""
-    after_update: Callable[[int], None] | None = None
-    """After every applied (not vetoed) optimizer update, e.g. to move an EMA of the weights."""
+    after_update: Callable[[int, torch.Tensor], None] | None = None
+    """After every optimizer step, with a 0-d device tensor that is 1.0 where the update was applied and 0.0 where it
+    was skipped (non-finite): e.g. an EMA of the weights that follows applied updates only, without a host sync."""
 
 
 def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: LoopHooks) -> TrainState:
@@ -143,6 +149,7 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
     accum, precision, device = cfg.engine.grad_accum_steps, cfg.engine.precision, dist.device
     micro_batch = cfg.batch_size_per_device(dist.world_size)
     window = _Window(device)
+    agreement = StepAgreement(device, state)
     scale_loss = scales_loss_itself(engine)
     first_step = state.step + 1
     meter, batches = start_meter(run, engine.module, batches)
@@ -155,6 +162,8 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         log_now = step % cfg.logging.every_steps == 0 or step == total_steps
+        save_now = step % cfg.checkpoint.every_steps == 0 or step == total_steps
+        read_now = log_now or save_now or step % cfg.engine.sync_every_steps == 0
         step_loss = torch.zeros((), device=device)
         for micro in range(accum):
             t0 = time.perf_counter()
@@ -162,20 +171,21 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
             window.data_wait += time.perf_counter() - t0
             state.batches_consumed += 1
             window.corrupt += batch["num_corrupt"]
-            with autocast_context(precision, device):
-                out = engine(to_device(batch, device, precision))
+            out = engine(to_device(batch, device, precision))  # bf16: the engine's autocast (setup.py)
             engine.backward(out["loss"] * loss_scale(engine) if scale_loss else out["loss"])
             step_loss += out["loss"].detach().float()
             window.add_scalars(out)
             if micro < accum - 1:
                 engine.step()  # DeepSpeed only accumulates here; the optimizer runs at the boundary below
                 continue
-            skip, stop = _agree_on_step(step_loss, precision, state, cfg, step)
-            log_now = log_now or stop  # the last step before a preemption is logged too
-            with optimizer.guard(skip=skip, measure=log_now):
+            bad = agreement.nonfinite(step_loss)  # (), 1.0 on every rank if any rank's loss was non-finite
+            # DeepSpeed's fp16 optimizer already skips overflowing steps itself
+            with optimizer.guard(skip=False if precision == "fp16" else bad, measure=log_now):
                 engine.step()
-            if hooks.after_update is not None and not skip:
-                hooks.after_update(step)  # e.g. the EMA of the weights follows the update just applied
+            if hooks.after_update is not None:
+                hooks.after_update(step, 1.0 - bad)  # e.g. the EMA of the weights follows the update just applied
+        stop = read_now and _read_agreement(agreement, state, cfg, step)
+        log_now = log_now or stop  # the last step before a preemption is logged too
         window.add_step(step_loss / accum, micro_batch * accum * dist.world_size)
         if step == first_step:
             logger.console(first.end(window, excluded=not log_now))
@@ -197,7 +207,7 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
             _periodic_extras(cfg, step, first_step, total_steps, logger, hooks)
             window.start += time.perf_counter() - extras_start  # pictures and evaluation are not training throughput
         state.step = step
-        if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:
+        if save_now or stop:
             tag_dir = save_checkpoint(
                 engine,
                 run_dir=run.run_dir,
@@ -229,27 +239,20 @@ def _periodic_extras(cfg: Config, step: int, first_step: int, total_steps: int, 
         logger.scalars(step, hooks.evaluate(step))
 
 
-def _agree_on_step(step_loss, precision: str, state: TrainState, cfg: Config, step: int) -> tuple[bool, bool]:
-    """All ranks agree, in one all-reduce, whether any had a non-finite loss and whether any was asked to stop.
+def _read_agreement(agreement: StepAgreement, state: TrainState, cfg: Config, step: int) -> bool:
+    """The host read of what the ranks agree on (see StepAgreement.read); raises after too many non-finite steps.
 
     Returns:
-        (skip the update, stop after this step), the same on every rank.
+        Whether to stop after this step (some rank was asked to), the same on every rank.
     """
-    stop_flag = torch.tensor(float(preempt.stop_requested()), device=step_loss.device)
-    flags = torch.stack([(~torch.isfinite(step_loss)).float(), stop_flag])
-    bad, stop = (all_reduce(flags, op="max") > 0).tolist()
-    if not bad:
-        state.consecutive_nonfinite = 0
-        return False, stop
-    state.nonfinite_skipped += 1
-    state.consecutive_nonfinite += 1
-    if state.consecutive_nonfinite >= cfg.engine.max_consecutive_nonfinite:
+    longest, stop = agreement.read(state)
+    if longest >= cfg.engine.max_consecutive_nonfinite:
         raise NonFiniteLossError(
-            f"stopping at step {step}: the loss was non-finite for {state.consecutive_nonfinite} steps in a row "
+            f"stopping at step {step}: the loss was non-finite for {longest} steps in a row "
             f"(engine.max_consecutive_nonfinite={cfg.engine.max_consecutive_nonfinite}); no update was applied for "
             f"them and the last checkpoint in checkpoints/latest is intact. Lower optim.base_lr or check the data."
         )
-    return precision != "fp16", stop  # DeepSpeed's fp16 optimizer already skips overflowing steps itself
+    return stop
 
 
 @dataclass

@@ -28,13 +28,16 @@ class Guarded:
     DeepSpeed's ZeRO wrappers call the optimizer's `step` on their flat fp32 partitions (on the parameters themselves
     at ZeRO-0) with the reduced, unscaled gradients, and ZeRO-1/2 call it once per parameter group. The loop sets the
     flags around one `engine.step()` (`guard`), so they hold for every call inside it, at every stage:
-    - `skip`: after a non-finite loss on any rank, parameters, moments and step counts stay exactly as they were;
+    - `skip`: after a non-finite loss on any rank, parameters, moments and step counts stay exactly as they were. A
+      bool, or a 0-d float tensor on the device (1.0: skip) that a fused optimizer takes as its `found_inf`, the flag
+      torch's GradScaler hands it: the kernel then leaves everything as it was without the host ever reading the flag.
+      An unfused optimizer (SGD, LARS: the linear probes) reads it, one host sync per step;
     - `measure`: the squared L2 norm of this rank's gradients is added to `grad_sq_norm` (a tensor, so no sync);
       the loop sums it over ranks on logging steps only. This replaces DeepSpeed's own norm, which ZeRO-1/2 would
       otherwise compute (and sync) on every step.
     """
 
-    skip: bool = False
+    skip: bool | torch.Tensor = False
     measure: bool = False
     grad_sq_norm: torch.Tensor | None = None
 
@@ -44,12 +47,16 @@ class Guarded:
             if grads:
                 sq_norm = sum(g.float().pow(2).sum() for g in grads)
                 self.grad_sq_norm = sq_norm if self.grad_sq_norm is None else self.grad_sq_norm + sq_norm
-        if self.skip:
-            return None
-        return super().step(closure)
+        if not isinstance(self.skip, torch.Tensor) or not self.defaults.get("fused"):
+            return None if bool(self.skip) else super().step(closure)
+        self.found_inf = self.skip  # read by torch's fused step as `getattr(self, "found_inf", None)`
+        try:
+            return super().step(closure)
+        finally:
+            del self.found_inf
 
     @contextlib.contextmanager
-    def guard(self, *, skip: bool, measure: bool):
+    def guard(self, *, skip: bool | torch.Tensor, measure: bool):
         """Apply `skip` / `measure` to every optimizer call made inside the block (one engine step)."""
         self.skip, self.measure, self.grad_sq_norm = skip, measure, None
         try:
@@ -70,6 +77,11 @@ class GuardedLars(Guarded, Lars):
     """timm's LARS (MAE's linear probe) with the loop's guard."""
 
 
+BF16_REDUCED_MODULES = ("torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d")
+"""With `engine.grad_reduce_dtype: bf16`: the module classes (exact classes, as DeepSpeed matches them) whose weight
+and bias gradients ZeRO-1/2/3 reduce in bf16. In a ViT they hold >99% of the parameters."""
+
+
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
     """Every DeepSpeed key that changes behaviour, written explicitly (DeepSpeed's defaults move between versions:
     e.g. `gradient_clipping` defaults to 1.0, which MAE does not use)."""
@@ -85,8 +97,18 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
-        # bf16 runs as torch autocast over fp32 weights and fp32 optimizer state (see core/engine/loop.py).
+        # bf16 is torch autocast over fp32 weights and fp32 optimizer state, entered by the engine itself around its
+        # forward (`torch_autocast`), so that it holds inside `engine(...)` on every accelerator. An autocast entered
+        # around the engine instead is switched off inside it on CUDA. DeepSpeed's bf16 mode would make the weights
+        # bf16 (and the fp32 masters a second copy).
         "bf16": {"enabled": False},
+        "torch_autocast": {
+            "enabled": e.precision == "bf16",
+            "dtype": "bfloat16",
+            # The modules whose parameters' gradients ZeRO-1/2/3 reduce in the autocast dtype (`grad_reduce_dtype`);
+            # the other gradients (norms, position embeddings, tokens) are always reduced in fp32.
+            "lower_precision_safe_modules": list(BF16_REDUCED_MODULES) if e.grad_reduce_dtype == "bf16" else [],
+        },
         "fp16": {
             "enabled": e.precision == "fp16",
             "loss_scale": 0,
@@ -102,7 +124,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
             # measures it on logging steps (Guarded.guard(measure=...)). fp16 keeps it for overflow checks.
             "compute_grad_norm": not (e.zero_stage in (1, 2) and cfg.optim.grad_clip == 0 and e.precision != "fp16"),
             "contiguous_gradients": True,
-            "overlap_comm": False,
+            # Reduce a gradient bucket while backward fills the next one (a second side stream on CUDA).
+            "overlap_comm": e.zero_stage in (1, 2),
             "reduce_scatter": True,
             # Buffer sizes in elements (fp32: 200 MB at 5e7). DeepSpeed's 5e8 defaults mean a 2 GB gradient bucket per
             # rank, more than ViT-L's whole gradient, and ZeRO-3 then keeps every gathered weight alive from forward
@@ -165,6 +188,14 @@ def build_optimizer(objective: nn.Module, cfg: Config, layout: nn.Module | None 
     return GuardedAdamW(groups, lr=cfg.peak_lr, betas=o.betas, eps=o.eps, fused=True)
 
 
+def set_tf32(device: torch.device, enabled: bool) -> None:
+    """`engine.tf32` on CUDA: fp32 matmuls and cuDNN convolutions on TF32 tensor cores (torch leaves matmuls in full
+    fp32 by default, cuDNN's convolutions already in TF32). Nothing changes on other devices."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
 def set_attention(module: nn.Module, kind: str, device: torch.device) -> str:
     """Pick the attention kernel of every timm `Attention` in `module` (`engine.attention`); returns the choice.
 
@@ -210,6 +241,7 @@ def parallelize(
             f"engine.precision fp16: DeepSpeed's {get_accelerator().device_name()} accelerator has no fp16 on this "
             f"machine (on CPU it needs AVX512-FP16); use engine.precision=bf16"
         )
+    set_tf32(dist.device, cfg.engine.tf32)
     ds_config = deepspeed_config(cfg, dist.world_size)
     ds_config["checkpoint"] = {"load_universal": load_universal}
     if dist.is_main:

@@ -32,7 +32,9 @@ class Toy(nn.Module):
         return {"loss": (self.lin(batch["image"]) ** 2).mean() * batch["scale"]}
 
 
-def main(out: Path, zero_stage: int, precision: str) -> None:
+def main(out: Path, zero_stage: int, precision: str, sync_every: int) -> None:
+    """`sync_every` 1: the host reads the ranks' agreement at every step (checkpoint every 2, logging every step);
+    otherwise only every `sync_every` steps (no logging or checkpoint before the last step)."""
     if precision == "fp16":
         allow_cpu_fp16()
     cfg = load_config(
@@ -45,8 +47,9 @@ def main(out: Path, zero_stage: int, precision: str) -> None:
             f"engine.precision={precision}",
             "engine.fp16_initial_scale_power=8",  # the toy's gradients times 2^16 would overflow fp16
             "data.global_batch_size=4",
-            "checkpoint.every_steps=2",
-            "logging.every_steps=1",
+            f"engine.sync_every_steps={sync_every}",
+            f"checkpoint.every_steps={2 if sync_every == 1 else 100}",
+            f"logging.every_steps={1 if sync_every == 1 else 100}",
             "optim.base_lr=0.1",
         ],
     )
@@ -91,4 +94,4 @@ def main(out: Path, zero_stage: int, precision: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

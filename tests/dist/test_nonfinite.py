@@ -14,7 +14,7 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.parametrize(("zero_stage", "precision"), [(0, "fp32"), (2, "fp32"), (0, "fp16")])
 def test_nonfinite_loss_skips_update_on_every_rank_then_stops(tmp_path, zero_stage, precision):
-    torchrun("nonfinite_worker.py", tmp_path, zero_stage, precision)
+    torchrun("nonfinite_worker.py", tmp_path, zero_stage, precision, 1)
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
     for result in ranks:
         snaps = {int(k): v for k, v in result["snapshots"].items()}
@@ -30,3 +30,19 @@ def test_nonfinite_loss_skips_update_on_every_rank_then_stops(tmp_path, zero_sta
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000006"
     skipped = {m["step"]: m["train/skipped_steps"] for m in read_metrics(tmp_path / "run")}
     assert skipped[2] == 0 and skipped[3] == 1 and skipped[6] == 3
+
+
+def test_updates_are_skipped_on_the_device_and_a_streak_between_reads_still_stops(tmp_path):
+    """engine.sync_every_steps=4: the host reads the agreement at steps 4 and 8 only. Every non-finite step's update is
+    still skipped at once on every rank; the streak 5-7 ended at step 8's finite loss, before the read, and stops the
+    run all the same."""
+    torchrun("nonfinite_worker.py", tmp_path, 2, "fp32", 4)
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    for result in ranks:
+        snaps = {int(k): v for k, v in result["snapshots"].items()}
+        assert snaps[2] != snaps[3] and snaps[3] == snaps[4] and snaps[4] != snaps[5]
+        assert snaps[5] == snaps[6] == snaps[7] == snaps[8]  # 5, 6 and 7 skipped
+        assert "non-finite for 3 steps in a row" in result["error"] and "stopping at step 8" in result["error"]
+        assert result["state"]["nonfinite_skipped"] == 4 and result["state"]["consecutive_nonfinite"] == 0
+    assert ranks[0]["snapshots"] == ranks[1]["snapshots"]
+    assert not (tmp_path / "run" / "checkpoints").exists()  # no checkpoint during or after the streak

@@ -1,10 +1,13 @@
-"""Builders shared by tests/unit: tiny timm ViTs (from `core.models.build_vit`) with seeded random weights."""
+"""Builders shared by tests/unit: tiny timm ViTs (from `core.models.build_vit`) with seeded random weights, and a
+one-process group for engines built in the test process."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
+from core.engine.distributed import DistInfo
 from core.models import build_vit
 from tests.launching import TINY_MODEL
 
@@ -24,3 +27,15 @@ def tiny_vit(seed: int = 0, **overrides) -> VisionTransformer:
 def wide_vit(seed: int = 0, **overrides) -> VisionTransformer:
     """`tiny_vit` with WIDE's shape: 28 px, 7x7 grid, 64 wide."""
     return tiny_vit(seed, **(WIDE | overrides))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """A one-process gloo group, as torchrun would make it, for engines built by `parallelize`: one for the module,
+    since DeepSpeed keeps the groups it derives from the first one it sees."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LOCAL_RANK", "0")  # what torchrun sets; DeepSpeed asserts it
+        store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("one_rank") / "store"), 1)
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        yield DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+        torch.distributed.destroy_process_group()

@@ -221,18 +221,6 @@ def test_single_rank_allreduce_is_dropped_only_at_zero0_on_one_rank():
         assert not ds_compat.skip_single_rank_allreduce(kept) and kept.enable_backward_allreduce
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """A one-process gloo group, as torchrun would make it, for engines built by `parallelize`: one for the module,
-    since DeepSpeed keeps the groups it derives from the first one it sees."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("LOCAL_RANK", "0")  # what torchrun sets; DeepSpeed asserts it
-        store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("one_rank") / "store"), 1)
-        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-        yield DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-        torch.distributed.destroy_process_group()
-
-
 def _trained(dist, run_dir: Path, stage: int, steps: int = 4):
     """(engine, model, its initial weights) after `steps` bf16-autocast AdamW steps of a small MLP through
     `parallelize` at `stage`."""
