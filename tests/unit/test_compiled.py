@@ -117,7 +117,7 @@ def test_activation_checkpointing_recomputes_the_compiled_blocks_with_eager_loss
 
 def _beit() -> MaskedPatchPrediction:
     norm = dict(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
-    return MaskedPatchPrediction(tiny_vit(0).train(), MeanColor3Bit((4, 4), **norm))
+    return MaskedPatchPrediction(tiny_vit(0).train(), MeanColor3Bit((4, 4), **norm), num_masked=6)
 
 
 def _patch_mask(batch: int) -> torch.Tensor:
