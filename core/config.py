@@ -151,7 +151,8 @@ class EngineConfig(Section):
     offload_param: Literal["none", "cpu"] = "none"
     """ZeRO-3: keep the parameter partitions in host memory between uses."""
     activation_checkpointing: bool = False
-    """Recompute every encoder block's activations in the backward pass instead of storing them."""
+    """Recompute every encoder block's activations (and MAE's decoder blocks') in the backward pass instead of
+    storing them."""
     peak_tflops: float | None = Field(None, gt=0)
     """Peak TFLOP/s of one device, the denominator of `perf/mfu`. None: on a GPU its datasheet bf16 dense peak
     (H100, H200, A100, A10, L4, V100; see core/engine/utilisation.py; fp32 runs are measured against it too; an

@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 from timm.layers import to_2tuple
+from timm.models import checkpoint_seq
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
@@ -215,7 +216,9 @@ class MAE(nn.Module):
         patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # image order
         # Casting the parameters to fp16 leaves this fixed buffer fp32: add it in x's dtype
         x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed.to(x.dtype)  # (B, 1 + L, Dd)
-        x = self.decoder_norm(self.decoder_blocks(x))  # (B, 1 + L, Dd)
+        # engine.activation_checkpointing (the encoder's timm switch, set in core/models.py) covers the decoder too
+        x = checkpoint_seq(self.decoder_blocks, x) if self.encoder.grad_checkpointing else self.decoder_blocks(x)
+        x = self.decoder_norm(x)  # (B, 1 + L, Dd)
         return self.decoder_pred(x)[:, 1:]  # (B, L, P)
 
     def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,10 @@ def _beit_builder(cfg: Config) -> Callable[[], nn.Module]:
         target = PixelsL2(patch, norm_pix=o.target.norm_pix)
     else:
         target = TokenizerCodes(load_tokenizer(o.target.path), cfg.model.grid)
-    return lambda: MaskedPatchPrediction(build_model(cfg), target, corruption=o.corruption, head=o.head)
+    num_masked = mask_generator(cfg).num_masked  # every mask the data workers make selects exactly this many
+    return lambda: MaskedPatchPrediction(
+        build_model(cfg), target, num_masked=num_masked, corruption=o.corruption, head=o.head
+    )
 
 
 def _simmim_builder(cfg: Config) -> Callable[[], nn.Module]:

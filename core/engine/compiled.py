@@ -12,6 +12,13 @@ micro-batch and the evaluation batches (fine-tuning's `data.eval_batch_size_per_
 the fixed batch of the reconstruction pictures, runs the same block eagerly instead of compiling again. So a run
 compiles each block shape once: training (forward and backward), and evaluation (no grad, eval mode); MAE drops the
 same number of tokens from every image, so its training shapes never change.
+
+A stochastic-depth schedule gives every block its own drop-path rate, a Python float that dynamo compiles in as a
+constant: one graph per block, each compiled on its own (forward and backward: minutes of inductor for a deep ViT),
+and a torch that counts them against its recompile limit (8) would run the blocks past it eagerly (torch 2.14 counts
+per module instance). The compiled blocks' `DropPath`s therefore hold their rate in a buffer (`DropPathRate`), a
+graph input, so all blocks of one shape share a graph (plus one for a first block of rate 0, which timm builds
+without a drop path).
 """
 
 from __future__ import annotations
@@ -19,12 +26,50 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+from timm.layers import DropPath
 from torch import nn
 
 from core.config import Config
 
 BLOCK_CONTAINERS = ("blocks", "decoder_blocks")
 """Attributes holding an objective's repeated blocks: timm's and T2T-ViT's encoder `blocks`, MAE's decoder."""
+
+
+class DropPathRate(nn.Module):
+    """timm's `DropPath` (per-sample stochastic depth on a residual branch) with the rate in a buffer, not an attribute.
+
+    It draws its mask with a tensor probability, so its random numbers differ from timm's (as inductor's do anyway).
+    The buffer is not persistent: checkpoints and exports stay those of an eager run.
+
+    Args:
+        drop_prob: Probability of dropping the branch for a sample.
+        scale_by_keep: Divide the kept branches by the keep probability (timm's default).
+    """
+
+    def __init__(self, drop_prob: float, scale_by_keep: bool = True):
+        super().__init__()
+        self.drop_prob = drop_prob  # for the repr only: forward reads the buffer
+        self.scale_by_keep = scale_by_keep and drop_prob < 1.0
+        self.register_buffer("keep_prob", torch.tensor(1.0 - drop_prob), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(self.keep_prob)  # (B, 1, ...), 1 = kept
+        return x * (keep / self.keep_prob if self.scale_by_keep else keep)
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob:.3f}"
+
+
+def _drop_rate_in_buffers(block: nn.Module) -> None:
+    """Replace every timm `DropPath` inside `block` by a `DropPathRate` of the same rate, in place, on the block's
+    device (the objective is already there)."""
+    for name, sub in list(block.named_modules()):
+        if type(sub) is DropPath:
+            parent, _, leaf = name.rpartition(".")
+            replacement = DropPathRate(sub.drop_prob, sub.scale_by_keep).train(sub.training)
+            setattr(block.get_submodule(parent), leaf, replacement.to(next(block.parameters()).device))
 
 
 class BlockCall:
@@ -64,6 +109,7 @@ def compile_blocks(objective: nn.Module, batch_sizes: Iterable[int], backend: st
         if name.rsplit(".", 1)[-1] not in BLOCK_CONTAINERS or not isinstance(module, nn.Sequential | nn.ModuleList):
             continue
         for block in module:
+            _drop_rate_in_buffers(block)
             block._compiled_call_impl = BlockCall(block, sizes, backend)
         count += len(module)
     return count

@@ -1,10 +1,11 @@
 """Model FLOPs utilisation (`perf/mfu`): the model FLOPs of a training step, counted once at start-up, times steps
 per second, over the peak of the devices in use.
 
-The FLOPs are counted by torch's `FlopCounterMode` on a copy of the objective running forward and backward on one
-real micro-batch, so the count follows the model, the objective (MAE's dropped tokens, a decoder, a head) and the
-attention kernel, and training itself is untouched (the RNGs are restored afterwards). The peak per device is
-`engine.peak_tflops`, or the datasheet figure of a known GPU, or a matmul measured on the CPU at start-up.
+The FLOPs are counted by torch's `FlopCounterMode` on a copy of the objective running forward and backward on the
+stream's first micro-batch, so the count follows the model, the objective (MAE's dropped tokens, a decoder, a head)
+and the attention kernel. The copy and the batch are fake tensors (shapes, no data, no memory), so counting computes
+nothing and allocates nothing, and training itself is untouched (the RNGs are restored afterwards). The peak per
+device is `engine.peak_tflops`, or the datasheet figure of a known GPU, or a matmul measured on the CPU at start-up.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeCopyMode,
+    FakeTensorMode,
+)
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from core.engine.checkpoint import RNGState
@@ -82,37 +89,53 @@ explicit attention for the count instead."""
 
 
 def count_step_flops(module: nn.Module, batch: dict, *, precision: str, device: torch.device) -> int:
-    """Model FLOPs of forward + backward of `module` on `batch` (already on `device`), counted on a deep copy.
+    """Model FLOPs of forward + backward of `module` on `batch` (already on `device`), counted on a fake twin.
 
-    The copy leaves `module`'s parameters and gradients alone and has no hooks (DeepSpeed's would reduce its
-    gradients); the Python, NumPy and torch RNGs are restored, so the run draws the same masks and drop paths as
-    without counting. torch's counter knows the CUDA attention kernels but not the CPU fused one, so on CPU the copy
-    uses timm's explicit matmul-softmax attention, which does the same matmuls. Activation checkpointing is off in
-    the copy: its recomputation is work the hardware does, not the model's FLOPs.
+    The twin is a deep copy made of fake tensors (torch's FakeTensorMode): they carry `device`, dtype and shape, so
+    the step dispatches to the kernels the run would use (autocast and attention included), but no data and no
+    memory, on the device or anywhere: counting costs no activations, so a recipe that needs activation
+    checkpointing to fit counts as easily as any, and nothing is computed. The twin leaves `module`'s parameters and
+    gradients alone and has no hooks (DeepSpeed's would reduce its gradients); the Python, NumPy and torch RNGs are
+    restored. torch's counter knows the CUDA attention kernels but not the CPU fused one, so on CPU the twin uses
+    timm's explicit matmul-softmax attention, which does the same matmuls. Activation checkpointing is off in the
+    twin: its recomputation is work the hardware does, not the model's FLOPs. On CUDA the peak-memory counter is
+    reset afterwards, so `perf/max_memory_gb` is the training steps' own.
+
+    Raises:
+        DataDependentOutputException, DynamicOutputShapeException: the step reads tensor values on the host (an
+            `.item()`, a boolean-mask index); fake tensors have none.
     """
     from core.engine.loop import autocast_context  # the loop imports this module
 
     rng = RNGState().state_dict()
-    memo = {
-        id(value): type(value)() for sub in module.modules() for name, value in vars(sub).items() if "hooks" in name
-    }
-    twin = copy.deepcopy(module, memo)
+    fake = FakeTensorMode()
+    twin = _fake_twin(module, fake)
     if device.type == "cpu":
         set_attention(twin, "math", device)
-    for sub in twin.modules():  # model FLOPs: activation checkpointing's recomputed forward is not the model's work
-        if getattr(sub, "grad_checkpointing", False):
-            sub.grad_checkpointing = False
+    fake_batch = {key: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for key, v in batch.items()}
     try:
-        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
+        with fake, FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
             with autocast_context(precision, device):
-                out = twin(batch)
+                out = twin(fake_batch)
             out["loss"].float().backward()
     finally:
         RNGState().load_state_dict(rng)
-    del twin, out
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     return counter.get_total_flops()
+
+
+def _fake_twin(module: nn.Module, fake: FakeTensorMode) -> nn.Module:
+    """A deep copy of `module` whose tensors are `fake`'s (no memory), without hooks and activation checkpointing."""
+    memo = {
+        id(value): type(value)() for sub in module.modules() for name, value in vars(sub).items() if "hooks" in name
+    }
+    with FakeCopyMode(fake):
+        twin = copy.deepcopy(module, memo)
+    for sub in twin.modules():  # model FLOPs: activation checkpointing's recomputed forward is not the model's work
+        if getattr(sub, "grad_checkpointing", False):
+            sub.grad_checkpointing = False
+    return twin
 
 
 def gpu_peak_tflops(name: str) -> float | None:
@@ -183,12 +206,18 @@ def start_meter(run: StageRun, module: nn.Module, batches: Iterator[dict]) -> tu
         logger.console(f"[mimpipe] perf/mfu not logged: {source}")
         return None, batches
     first = next(batches)
-    flops = count_step_flops(module, to_device(first, dist.device, precision), precision=precision, device=dist.device)
+    batches = itertools.chain([first], batches)
+    try:
+        flops = count_step_flops(
+            module, to_device(first, dist.device, precision), precision=precision, device=dist.device
+        )
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        logger.console(f"[mimpipe] perf/mfu not logged: the step reads tensor values on the host ({error})")
+        return None, batches
     per_step = flops * cfg.engine.grad_accum_steps
     logger.console(
         f"[mimpipe] utilisation: {per_step / 1e9:.4g} GFLOP per optimizer step per rank (FlopCounterMode); peak "
         f"{peak:.4g} TFLOP/s per device ({source}) x {dist.world_size}"
     )
     samples = cfg.batch_size_per_device(dist.world_size) * cfg.engine.grad_accum_steps * dist.world_size
-    meter = Utilisation(per_step, samples, peak * 1e12)
-    return meter, itertools.chain([first], batches)
+    return Utilisation(per_step, samples, peak * 1e12), batches

@@ -8,7 +8,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from core.config import ZERO3_COMPILE_REASON, ConfigError, load_config
-from core.engine.compiled import BlockCall, compile_batch_sizes, compile_blocks, describe_compiled
+from core.engine.compiled import BlockCall, DropPathRate, compile_batch_sizes, compile_blocks, describe_compiled
 from finetune.classification import Classification
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.knn import pooled_features
@@ -25,14 +25,21 @@ class GraphCounter:
     def __init__(self):
         self.graphs = 0
         self.backward_graphs = 0
+        self.calls = 0  # forward graphs run: a block that fell back to eager runs none
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
         return aot_autograd(fw_compiler=self._forward, bw_compiler=self._backward)(gm, example_inputs)
 
-    @staticmethod
-    def _forward(gm, example_inputs):
-        return make_boxed_func(gm)
+    def _forward(self, gm, example_inputs):
+        graph = make_boxed_func(gm)
+
+        def counted(args):
+            self.calls += 1
+            return graph(args)
+
+        counted._boxed_call = True
+        return counted
 
     def _backward(self, gm, example_inputs):
         self.backward_graphs += 1
@@ -117,7 +124,7 @@ def test_activation_checkpointing_recomputes_the_compiled_blocks_with_eager_loss
 
 def _beit() -> MaskedPatchPrediction:
     norm = dict(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
-    return MaskedPatchPrediction(tiny_vit(0).train(), MeanColor3Bit((4, 4), **norm))
+    return MaskedPatchPrediction(tiny_vit(0).train(), MeanColor3Bit((4, 4), **norm), num_masked=6)
 
 
 def _patch_mask(batch: int) -> torch.Tensor:
@@ -150,6 +157,40 @@ def test_objectives_compile_their_blocks_in_one_graph_with_eager_losses_and_grad
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters(), strict=True):
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, atol=1e-3, rtol=1e-2, msg=name)
+
+
+def test_a_drop_path_schedule_over_12_blocks_shares_graphs_and_every_block_runs_compiled():
+    """Stochastic depth rising over 12 blocks (0 to 0.1): a rate compiled in as a constant would make a graph per
+    block (12 compiles), and past a recompile limit of 8 leave the later blocks eager."""
+    compiled, counter = Classification(tiny_vit(0, depth=12, num_classes=4, drop_path_rate=0.1).train()), GraphCounter()
+    assert compile_blocks(compiled, {8}, backend=counter) == 12
+    eager = copy.deepcopy(compiled)  # the same modules, drop paths included, run eagerly (deep copies do)
+    rates = [getattr(block.drop_path1, "drop_prob", 0.0) for block in compiled.model.blocks]
+    assert rates == pytest.approx([0.1 * i / 11 for i in range(12)])
+    for step in range(2):
+        batch = {"image": _images(8, step), "label": torch.arange(8) % 4}
+        torch.manual_seed(step)  # the same drop-path draws in both
+        got = _train_step(compiled, batch)
+        torch.manual_seed(step)
+        want = _train_step(eager, batch)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # block 0 (rate 0: timm leaves the drop path out) and blocks 1-11 (one graph whatever their rate)
+    assert (counter.graphs, counter.backward_graphs) == (2, 2)
+    assert counter.calls == 2 * 12  # every block of both steps ran compiled
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-3, rtol=1e-2, msg=name)
+
+
+def test_drop_path_rate_drops_whole_samples_and_rescales_the_kept():
+    drop = DropPathRate(0.25).train()
+    x = torch.randn(4000, 3, 2)
+    torch.manual_seed(0)
+    out = drop(x)
+    kept = (out != 0).flatten(1).any(1)  # (B,) a sample's branch is kept or dropped whole
+    torch.testing.assert_close(out[kept], x[kept] / 0.75)
+    assert torch.equal(out[~kept], torch.zeros_like(x[~kept]))
+    assert abs(1 - kept.float().mean().item() - 0.25) < 0.02
+    assert torch.equal(drop.eval()(x), x) and drop.state_dict() == {}  # checkpoints stay those of an eager run
 
 
 def _classifier(depth: int = 2) -> Classification:

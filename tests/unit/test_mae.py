@@ -1,6 +1,8 @@
 """Tests for pretrain/mae.py on a tiny ViT (tests/unit/conftest.py `wide_vit`: 64 wide, 2 blocks, 28 px images in
 4 px patches -> 7 x 7 grid)."""
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -155,16 +157,37 @@ def test_bf16_autocast_gives_finite_float32_loss():
     assert F.cosine_similarity(*everything, dim=0) > 0.99
 
 
-def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+def _count_block_calls(mae: MAE) -> Counter:
+    """Forward calls of every encoder and decoder block, counted from now on ("encoder.0", "decoder.1", ...); counted
+    on entry, as a recomputation stops once it has rebuilt the saved tensors (torch's non-reentrant checkpoint)."""
+    calls = Counter()
+    for side, blocks in (("encoder", mae.encoder.blocks), ("decoder", mae.decoder_blocks)):
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda *_, key=f"{side}.{index}": calls.update([key]))
+    return calls
+
+
+def test_activation_checkpointing_recomputes_encoder_and_decoder_blocks_with_the_same_loss_and_gradients():
+    """engine.activation_checkpointing (the encoder's timm switch) covers the decoder too: every block runs forward
+    a second time in the backward pass, and the loss and every gradient are those of the run that stores them."""
     imgs = torch.randn(2, 3, 28, 28)
-    grads = []
+    runs = []
     for checkpointing in (False, True):
-        mae = tiny_mae()
+        mae = MAE(wide_vit(), **(DECODER | {"decoder_depth": 2}))
         mae.encoder.set_grad_checkpointing(checkpointing)
-        torch.manual_seed(1)
-        mae({"image": imgs})["loss"].backward()
-        grads.append(mae.encoder.blocks[0].attn.qkv.weight.grad)
-    torch.testing.assert_close(grads[0], grads[1])
+        calls = _count_block_calls(mae)
+        torch.manual_seed(1)  # the same mask in both runs
+        loss = mae({"image": imgs})["loss"]
+        loss.backward()
+        runs.append((mae, loss.detach(), calls))
+    (plain, plain_loss, plain_calls), (checkpointed, loss, calls) = runs
+    assert set(plain_calls) == {"encoder.0", "encoder.1", "decoder.0", "decoder.1"}
+    assert all(count == 1 for count in plain_calls.values())
+    assert calls == {key: 2 for key in plain_calls}  # recomputed in the backward pass
+    torch.testing.assert_close(loss, plain_loss, rtol=0, atol=0)
+    for (name, p), q in zip(checkpointed.named_parameters(), plain.parameters(), strict=True):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def test_init_and_no_weight_decay():

@@ -58,7 +58,7 @@ def test_class_colors_are_the_bin_centres_quantize_color_maps_back():
 
 
 def _beit(target):
-    return MaskedPatchPrediction(tiny_vit(seed=0), target)
+    return MaskedPatchPrediction(tiny_vit(seed=0), target, num_masked=4)
 
 
 def _masked_batch():
@@ -66,7 +66,7 @@ def _masked_batch():
     mask = torch.zeros(3, 4, 4, dtype=torch.bool)
     mask[0, 1:3, 1:3] = True  # a 2 x 2 block
     mask[1, 0, :] = True  # the top row
-    mask[2, 3, 3] = True  # one corner patch
+    mask[2, 3, 3] = mask[2, 0, 0] = mask[2, 0, 3] = mask[2, 3, 0] = True  # the four corner patches
     return {"image": torch.randn(3, 3, 16, 16), "mask": mask}
 
 

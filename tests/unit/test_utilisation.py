@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
 
 from core.config import Config
 from core.engine.distributed import DistInfo
 from core.engine.setup import set_attention
 from core.engine.utilisation import (
+    CPU_ATTENTION_FLOPS,
     Utilisation,
     count_step_flops,
     device_peak,
@@ -23,6 +28,9 @@ from core.engine.utilisation import (
 )
 from core.logging import MetricsLogger
 from finetune.classification import Classification
+from pretrain.beit import MaskedPatchPrediction
+from pretrain.mae import MAE
+from pretrain.targets import MeanColor3Bit
 from tests.unit.conftest import tiny_vit
 
 CPU = torch.device("cpu")
@@ -56,6 +64,98 @@ def test_counted_flops_match_the_analytic_count(precision):
     objective, batch = _step()
     counted = count_step_flops(objective, batch, precision=precision, device=CPU)
     assert counted == pytest.approx(_analytic_flops(objective.model, 8), rel=0.01)
+
+
+def _real_count(module, batch: dict) -> int:
+    """What counting did before fake tensors: a real copy running forward and backward on the real batch in bf16
+    (timm's explicit attention, as the count takes on CPU)."""
+    twin = copy.deepcopy(module)
+    set_attention(twin, "math", CPU)
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = twin(batch)
+        out["loss"].float().backward()
+    return counter.get_total_flops()
+
+
+def _images(batch_size: int, side: int = 16) -> torch.Tensor:
+    return torch.randn(batch_size, 3, side, side, generator=torch.Generator().manual_seed(1))
+
+
+def _patch_mask(batch_size: int) -> torch.Tensor:
+    mask = torch.zeros(batch_size, 4, 4, dtype=torch.bool)
+    mask.view(batch_size, -1)[:, ::3] = True  # 6 of 16 patches
+    return mask
+
+
+FAKE_COUNTED = {  # objective, its batch: plain ViT classifier, MAE (dropped tokens, decoder), BEiT-style (gathered
+    # patches), and the archs whose modules call F.scaled_dot_product_attention themselves (T2T-ViT, VT-ResNet)
+    "classification": lambda: _step(),
+    "mae": lambda: (MAE(tiny_vit().train(), decoder_embed_dim=32, decoder_depth=2, decoder_num_heads=2), _step()[1]),
+    "beit": lambda: (
+        MaskedPatchPrediction(tiny_vit().train(), MeanColor3Bit((4, 4), (0.5,) * 3, (0.25,) * 3), num_masked=6),
+        {"image": _images(8), "mask": _patch_mask(8)},
+    ),
+    "t2t_vit": lambda: (
+        Classification(timm.create_model("t2t_vit_t_14", img_size=32, depth=2, num_classes=10).train()),
+        {"image": _images(2, side=32), "label": torch.arange(2)},
+    ),
+    "vt_resnet": lambda: (
+        Classification(timm.create_model("vt_resnet18", token_dim=64, num_classes=10).train()),
+        {"image": _images(2, side=32), "label": torch.arange(2)},
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FAKE_COUNTED))
+def test_fake_tensor_count_equals_a_real_forward_and_backward(kind):
+    objective, batch = FAKE_COUNTED[kind]()
+    assert count_step_flops(objective, batch, precision="bf16", device=CPU) == _real_count(objective, batch)
+
+
+def test_counting_allocates_no_memory_and_resets_the_cuda_peak(monkeypatch):
+    """On a GPU the count must not hold a copy of the weights or a step's activations (it would run out of memory
+    exactly where a recipe needs activation checkpointing), and the peak it leaves must be the training step's."""
+    objective, batch = _step(batch_size=32)
+    resets = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
+    cuda = torch.device("cuda")  # the CUDA branch, taken on CPU tensors (fp32: no CUDA autocast to enter)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        counted = count_step_flops(objective, batch, precision="fp32", device=cuda)
+    allocated = sum(max(event.self_cpu_memory_usage, 0) for event in prof.key_averages())
+    weights = sum(p.numel() * p.element_size() for p in objective.parameters())
+    assert allocated < weights / 10  # a real copy allocates all the weights, then the activations
+    assert resets == [cuda]
+    explicit = count_step_flops(objective, batch, precision="fp32", device=CPU)
+    assert resets == [cuda]  # on CPU, nothing to reset
+    # On CUDA the twin keeps the run's fused attention, whose backward recomputes Q K^T (torch counts its CUDA
+    # kernels so): 2 x B x T^2 x D more per block
+    model = objective.model
+    tokens = model.patch_embed.num_patches + model.num_prefix_tokens
+    assert counted == explicit + len(model.blocks) * 2 * 32 * tokens**2 * model.embed_dim
+
+
+def test_start_meter_logs_no_mfu_for_a_step_that_reads_tensor_values():
+    class ReadsBack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, batch: dict) -> dict:
+            scale = float(batch["x"].abs().max())  # a host read: fake tensors have no value to give
+            return {"loss": self.proj(batch["x"] / scale).square().mean()}
+
+    cfg = Config.model_validate({"data": {"global_batch_size": 2}})
+    cfg.engine.peak_tflops = 1.0
+    messages = []
+    run = SimpleNamespace(cfg=cfg, dist=DistInfo(0, 0, 1, CPU), logger=SimpleNamespace(console=messages.append))
+    run.peak = None
+    batch = {"x": torch.randn(2, 4)}
+    meter, batches = start_meter(run, ReadsBack(), iter([batch]))
+    assert meter is None and next(batches) is batch
+    assert messages == [
+        "[mimpipe] perf/mfu not logged: the step reads tensor values on the host (aten._local_scalar_dense.default)"
+    ]
 
 
 def test_cpu_sdpa_is_counted_like_the_explicit_attention():
