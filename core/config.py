@@ -128,7 +128,7 @@ class EngineConfig(Section):
     grad_reduce_dtype: Literal["bf16", "fp32"] = "bf16"
     """bf16 runs at ZeRO-1/2/3: the dtype in which the gradients of Linear and Conv layers (>99% of a ViT's) are
     reduced across ranks; bf16 halves the bytes a step moves (docs/communication.md). Norms, position embeddings and
-    tokens are reduced in fp32 either way, and ZeRO-0 reduces everything in fp32."""
+    tokens are reduced in fp32 either way; ZeRO-0, and a run of one rank, reduce everything in fp32."""
     tf32: bool = True
     """CUDA: fp32 matmuls and convolutions (fp32 runs, and what autocast leaves in fp32) use TF32 tensor cores
     (`torch.backends.cuda.matmul.allow_tf32`, `torch.backends.cudnn.allow_tf32`). No effect on CPU."""

@@ -86,6 +86,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
     """Every DeepSpeed key that changes behaviour, written explicitly (DeepSpeed's defaults move between versions:
     e.g. `gradient_clipping` defaults to 1.0, which MAE does not use)."""
     e = cfg.engine
+    bf16_reduce = e.grad_reduce_dtype == "bf16" and world_size > 1
     return {
         "train_batch_size": cfg.data.global_batch_size,
         "train_micro_batch_size_per_gpu": cfg.batch_size_per_device(world_size),
@@ -106,8 +107,9 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
             "enabled": e.precision == "bf16",
             "dtype": "bfloat16",
             # The modules whose parameters' gradients ZeRO-1/2/3 reduce in the autocast dtype (`grad_reduce_dtype`);
-            # the other gradients (norms, position embeddings, tokens) are always reduced in fp32.
-            "lower_precision_safe_modules": list(BF16_REDUCED_MODULES) if e.grad_reduce_dtype == "bf16" else [],
+            # the other gradients (norms, position embeddings, tokens) are always reduced in fp32. One rank reduces
+            # nothing, and a round trip through bf16 would only round its gradients.
+            "lower_precision_safe_modules": list(BF16_REDUCED_MODULES) if bf16_reduce else [],
         },
         "fp16": {
             "enabled": e.precision == "fp16",

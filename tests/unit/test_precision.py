@@ -107,8 +107,13 @@ def test_the_simulation_shows_the_old_outer_autocast_train_in_fp32(
     ("reduce_dtype", "bucket_dtypes"), [("bf16", {torch.bfloat16, torch.float32}), ("fp32", {torch.float32})]
 )
 def test_grad_reduce_dtype_picks_the_dtype_zero_reduces_linear_gradients_in(
-    one_rank, tmp_path, reduce_dtype, bucket_dtypes
+    one_rank, tmp_path, monkeypatch, reduce_dtype, bucket_dtypes
 ):
+    """Built on one rank with the config of two (one rank reduces nothing, so it keeps everything in fp32)."""
+    built = setup.deepspeed_config
+    monkeypatch.setattr(
+        setup, "deepspeed_config", lambda cfg, world_size: built(cfg, 2) | {"train_micro_batch_size_per_gpu": 4}
+    )
     engine = _engine(one_rank, tmp_path, stage=2, reduce_dtype=reduce_dtype)
     assert set(engine.optimizer.ipg_buckets) == bucket_dtypes
     qkv, norm = engine.module.encoder.blocks[0].attn.qkv, engine.module.encoder.blocks[0].norm1
@@ -132,3 +137,8 @@ def test_tf32_switch_applies_on_cuda_only(tf32_flags, enabled):
     assert torch.backends.cuda.matmul.allow_tf32 is (not enabled) and torch.backends.cudnn.allow_tf32 is (not enabled)
     set_tf32(torch.device("cuda", 0), enabled)
     assert torch.backends.cuda.matmul.allow_tf32 is enabled and torch.backends.cudnn.allow_tf32 is enabled
+
+
+def test_one_rank_keeps_its_gradients_in_fp32(one_rank, tmp_path):
+    engine = _engine(one_rank, tmp_path, stage=2, reduce_dtype="bf16")
+    assert set(engine.optimizer.ipg_buckets) == {torch.float32}
