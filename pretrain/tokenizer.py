@@ -86,6 +86,10 @@ class VectorQuantizerEMA(nn.Module):
         self.register_buffer("ema_count", torch.ones(codebook_size))
         self.register_buffer("ema_sum", codebook.clone())
         self.register_buffer("num_updates", torch.zeros((), dtype=torch.long))
+        self._host_updates: int | None = 0
+        """`num_updates` as the host knows it (None: read it once, after a state dict was loaded into the buffer), so
+        that seeding a restart's noise reads nothing back from the device."""
+        self.register_load_state_dict_post_hook(lambda module, keys: setattr(module, "_host_updates", None))
 
     def _apply(self, fn, recurse=True):
         # A cast of the whole module (`module.bfloat16()`, `.half()`) must leave the EMA statistics fp32 (a 1% EMA
@@ -163,9 +167,10 @@ class VectorQuantizerEMA(nn.Module):
         if self.dead_code_threshold > 0:
             self._restart_dead_codes(batch_stats)
         self.num_updates.add_(1)
+        self._host_updates = None if self._host_updates is None else self._host_updates + 1
 
     def _restart_dead_codes(self, batch_stats: torch.Tensor) -> None:
-        """Move every code with EMA count < threshold next to a most-used code (no host sync besides the seed).
+        """Move every code with EMA count < threshold next to a most-used code (no host sync).
 
         The i-th dead code copies the (i mod num_live)-th most-used live code plus Gaussian noise (std 0.01 x the
         batch's per-dimension std of z). Its EMA count becomes 2 x threshold (ema_sum = code * count): unused, it is
@@ -181,8 +186,10 @@ class VectorQuantizerEMA(nn.Module):
         num_live = (~dead).sum().clamp_min(1)
         dead_rank = (torch.cumsum(dead, dim=0) - 1).clamp_min(0)  # (K,) position of each dead code among them
         source = order[dead_rank % num_live]  # (K,) the code each dead code copies
-        # Same seed on every rank: the counter is identical everywhere (the one host sync of an update).
-        generator = torch.Generator(device=self.codebook.device).manual_seed(_RESTART_SEED + int(self.num_updates))
+        # Same seed on every rank: the counter is identical everywhere. Read from the device once after a load only.
+        if self._host_updates is None:
+            self._host_updates = int(self.num_updates)
+        generator = torch.Generator(device=self.codebook.device).manual_seed(_RESTART_SEED + self._host_updates)
         noise = torch.randn(self.codebook.shape, generator=generator, device=self.codebook.device)  # (K, D)
         restarted = self.codebook[source] + noise_std * noise  # (K, D)
         self.codebook.copy_(torch.where(dead[:, None], restarted, self.codebook))

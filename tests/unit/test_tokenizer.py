@@ -145,7 +145,7 @@ def test_dead_code_restarts_next_to_the_most_used_code_deterministically():
     for quantizer in (q, no_restarts):
         set_codebook(quantizer, codebook)
     twin, shifted = copy.deepcopy(q), copy.deepcopy(q)
-    shifted.num_updates.fill_(7)
+    shifted.load_state_dict({**shifted.state_dict(), "num_updates": torch.tensor(7)})  # as a resume loads it
     for quantizer in (q, no_restarts, twin, shifted):
         quantizer(z)
     # Code 3's count decayed to 0.9 < 1; it copies code 0 (count 0.9 + 0.1 * 30) plus a little noise.
@@ -160,6 +160,7 @@ def test_dead_code_restarts_next_to_the_most_used_code_deterministically():
     for name, value in q.named_buffers():
         assert torch.equal(dict(twin.named_buffers())[name], value), name
     assert not torch.equal(shifted.codebook[3], q.codebook[3])
+    assert q._host_updates == 1 and shifted._host_updates == 8  # the seed's counter, read back once after the load
     # The restarted code splits code 0's cluster and stays in use.
     for _ in range(5):
         _, codes, stats = q(z)
