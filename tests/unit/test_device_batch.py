@@ -23,10 +23,12 @@ from data.pipeline import make_train_loader
 from data.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    WithMask,
     eval_transform,
     finetune_train_transform,
     pretrain_transform,
 )
+from pretrain.pictures import _TwoViews
 
 CPU = torch.device("cpu")
 SIZE, NUM_CLASSES = 32, 4
@@ -175,3 +177,16 @@ def test_mixing_keeps_the_loaders_pinned_memory(shard, monkeypatch):
     out = to_device(batch, CPU, "fp32")  # and on the device: mixed images and (B, K) soft targets
     assert out["image"].dtype == torch.float32 and out["label"].shape == (8, NUM_CLASSES)
     torch.testing.assert_close(out["label"].sum(dim=1), torch.ones(8))
+
+
+def test_the_picture_batchs_tokenizer_view_is_normalised_with_the_tokenizers_own_mean_and_std():
+    second_mean, second_std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    views = _TwoViews(eval_transform(8, IMAGENET_MEAN, IMAGENET_STD), eval_transform(4, second_mean, second_std))
+    transform = WithMask(views, lambda: torch.ones(2, 2, dtype=torch.bool))
+    out = transform(Image.new("RGB", (20, 20), (200, 100, 30)))
+    batch = {name: value[None] for name, value in out.items()} | {"normalise": transform.normalisation}
+    on_device = batch_to_device(batch, CPU)
+    for name, mean, std in [("image", IMAGENET_MEAN, IMAGENET_STD), ("tokenizer_image", second_mean, second_std)]:
+        expected = (torch.tensor([200, 100, 30]) / 255 - torch.tensor(mean)) / torch.tensor(std)  # (3,)
+        torch.testing.assert_close(on_device[name][0, :, 0, 0], expected, rtol=0, atol=1e-5)
+    assert torch.equal(on_device["mask"], batch["mask"])
