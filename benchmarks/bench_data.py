@@ -5,7 +5,8 @@ scale 0.2-1, bicubic; horizontal flip; to tensor; normalise) on generated ImageN
 - `ours-old`: our loader (`data.pipeline.make_train_loader` over WebDataset shards of the same JPEGs) with the same
   torchvision transforms, each image decoded by `data.decode.decode_rgb`;
 - `ours-new`: our loader with `data.transforms.pretrain_transform` (`CropFlip`: torchvision's box and flip, torch's
-  uint8 resize, normalised from uint8, JPEGs decoded at a DCT reduction when every box allows it).
+  uint8 resize, uint8 out (normalised later, on the device), JPEGs decoded at a DCT reduction when every box allows
+  it).
 
     .venv/bin/python benchmarks/bench_data.py            # 2048 images, 1 and 2 workers, 5 rounds (~10 minutes)
     .venv/bin/python benchmarks/bench_data.py --quick    # 256 images at 1 worker, 1 round: checks that it runs
@@ -175,7 +176,7 @@ def stage_profile(root: Path, count: int, batch: int) -> list[tuple[str, str, fl
         ("torchvision", "ToTensor", per_image_ms(lambda i: to_tensor(cropped[i]), count)),
         ("torchvision", "Normalize", per_image_ms(lambda i: normalise(tensors[i].clone()), count)),
         ("new", "decode (`CropFlip.decode`)", per_image_ms(lambda i: new.decode(raw[i]), count)),
-        ("new", "box, to uint8 tensor, resize, flip, normalise", per_image_ms(lambda i: new(reduced[i]), count)),
+        ("new", "box, to uint8 tensor, resize, flip", per_image_ms(lambda i: new(reduced[i]), count)),
         ("both", f"collate (stack {batch} images)", per_image_ms(lambda i: torch.stack(outputs[:batch]), 1) / batch),
     ]
     for name in LOADERS:

@@ -15,6 +15,10 @@ worker, ...), and each sample's augmentation runs under RNGs seeded from its pos
 The caller's global torch/python/numpy RNG state is restored after every batch, so an in-process
 loader never disturbs the trainer's randomness (e.g. MAE mask noise).
 
+Images: a transform with a `normalisation` attribute (data/transforms.py) emits uint8 images, which cross from the
+workers in a quarter of float32's shared memory; every batch carries that attribute as "normalise", and
+`data.device.batch_to_device` normalises the images on the device.
+
 Samples: any sample with an image field (`jpg`, `jpeg`, `png`, `webp`, `bmp`, any case) streams; its label is read only
 when the loader needs labels (`.cls`, or an integer field of its `.json`), otherwise "label" is -1. Samples with no
 image field and images that do not decode are skipped, logged and counted ("num_corrupt"); a missing label stops.
@@ -80,7 +84,8 @@ def make_train_loader(
         shards: Shard paths or URLs (see `resolve_shards`), or the weighted sources of a mixture (see
             `train_sources`): each next sample comes from source i with probability weight_i / sum of weights.
         transform: Maps an RGB PIL image to a (3, H, W) tensor, or to a dict of tensors that includes
-            "image" (extra entries, e.g. per-sample masks, are stacked into the batch as well).
+            "image" (extra entries, e.g. per-sample masks, are stacked into the batch as well). Its
+            `normalisation`, if it has one, goes into every batch as "normalise" (see the module docstring).
         batch_size: Samples per batch (per device).
         seed: Seed (>= 0) for shard order, shuffling and augmentation.
         rank: This process's rank.
@@ -99,9 +104,9 @@ def make_train_loader(
         num_open_shards: Shards each worker reads at once per source, interleaving their samples at random.
 
     Returns:
-        A DataLoader of batch dicts: "image" (B, 3, H, W) float32, "label" (B,) int64, "key" list of B
-        str, "num_corrupt" int64 scalar (samples without a usable image the producing worker skipped since its
-        last batch).
+        A DataLoader of batch dicts: "image" (B, 3, H, W) (uint8 from our transforms), "label" (B,) int64, "key"
+        list of B str, "num_corrupt" int64 scalar (samples without a usable image the producing worker skipped since
+        its last batch), "normalise" with the transform's `normalisation`.
     """
     sources = list(shards) if shards and isinstance(shards[0], WeightedShards) else [WeightedShards(list(shards), 1.0)]
     all_shards = [shard for source in sources for shard in source.shards]
@@ -216,7 +221,8 @@ class _ShardStream(IterableDataset):
         samples = _skip_image_samples(samples, num_skipped)  # raw samples: nothing decoded
         label_of = functools.partial(read_label, label_field=self.label_field) if self.labels else _no_label
         decoded = _decode(samples, self.transform, label_of, (self.seed, _SEED_AUGMENT, self.rank, worker), num_skipped)
-        batches = wds.batched(self.batch_size, collation_fn=_collate, partial=not self.train)(decoded)
+        collate = functools.partial(_collate, normalisation=getattr(self.transform, "normalisation", None))
+        batches = wds.batched(self.batch_size, collation_fn=collate, partial=not self.train)(decoded)
         return _restore_global_rngs(batches)
 
     def _train_samples(self, worker: int, stream_id: int, num_streams: int) -> Iterator[dict[str, Any]]:
@@ -321,12 +327,15 @@ def _decode(
         num_corrupt = 0
 
 
-def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stacks the transform outputs into (B, ...) tensors; labels (B,) (all -1 without labels), keys, num_corrupt."""
+def _collate(samples: list[dict[str, Any]], normalisation: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """Stacks the transform outputs into (B, ...) tensors; labels (B,) (all -1 without labels), keys, num_corrupt,
+    and the transform's `normalisation` (None: none)."""
     batch = {name: torch.stack([s[name] for s in samples]) for name in samples[0] if name not in _PER_SAMPLE_FIELDS}
     batch["label"] = torch.tensor([s["label"] for s in samples], dtype=torch.int64)  # (B,)
     batch["key"] = [s["key"] for s in samples]
     batch["num_corrupt"] = torch.tensor(sum(s["num_corrupt"] for s in samples), dtype=torch.int64)
+    if normalisation is not None:
+        batch["normalise"] = normalisation
     return batch
 
 

@@ -1,5 +1,9 @@
-"""Image transforms: an RGB PIL image in, a normalized (3, H, W) float32 tensor out (or a dict of tensors with
-"image": a second view for a tokenizer, a patch mask).
+"""Image transforms: an RGB PIL image in, a (3, H, W) uint8 tensor out (or a dict of tensors with "image": a second
+view for a tokenizer, a patch mask, a random-erasing box).
+
+Images leave the data workers as uint8 and are normalised on the device (data/device.py says why): each transform's
+`normalisation` maps the fields it emits as uint8 to the multiply-add that normalises them there, built from the
+mean and std it was given, and the data pipeline puts it into every batch.
 
 All randomness comes from the global torch / python / numpy RNGs, which the data pipeline seeds per sample.
 
@@ -18,12 +22,12 @@ import torchvision.transforms.v2.functional as F2
 from PIL import Image
 from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.data.random_erasing import RandomErasing
 from timm.layers import to_2tuple
 from torchvision import transforms as T
 
 from core.timm_compat import posterize_at_least_1_bit
 from data.decode import ReducedImage, decode_rgb_reduced, to_rgb
+from data.device import EraseBoxes, normalisation
 
 IMAGENET_MEAN = IMAGENET_DEFAULT_MEAN
 IMAGENET_STD = IMAGENET_DEFAULT_STD
@@ -38,7 +42,8 @@ def pretrain_transform(
     """MAE's pretraining augmentation: bicubic RandomResizedCrop and a horizontal flip, nothing else.
 
     The same as torchvision's `Compose([RandomResizedCrop(img_size, scale, interpolation=BICUBIC),
-    RandomHorizontalFlip(), ToTensor(), Normalize(mean, std)])`, rendered faster (see `CropFlip`).
+    RandomHorizontalFlip(), ToTensor(), Normalize(mean, std)])`, rendered faster (see `CropFlip`), with ToTensor and
+    Normalize left to the device.
 
     Args:
         img_size: Output size, an int for square images or (height, width).
@@ -62,7 +67,8 @@ def finetune_train_transform(
 
     Bicubic RandomResizedCrop over a wide area range, horizontal flip, an optional timm AutoAugment / RandAugment /
     AugMix policy, to tensor, normalize, then optional timm RandomErasing of one box with per-pixel N(0, 1) noise
-    (in normalized units). This is `timm.data.create_transform(is_training=True, interpolation="bicubic",
+    (in normalized units; the box is drawn here, in the worker, and normalisation and noise happen on the device,
+    see data/device.py). This is `timm.data.create_transform(is_training=True, interpolation="bicubic",
     re_mode="pixel", re_count=1)` with three differences, so that the policy-free transform stays crop + flip and
     costs what the pretraining crop does: torchvision's RandomResizedCrop draws (from torch rather than python
     `random`), rendered by `CropFlip`'s tensor path (within a few levels of Pillow's), and no ColorJitter (which timm
@@ -84,7 +90,7 @@ def finetune_train_transform(
     if not 0.0 <= re_prob <= 1.0:
         raise ValueError(f"re_prob must be in [0, 1], got {re_prob}")
     policy = _augment_policy(auto_augment, min(to_2tuple(img_size)), mean) if auto_augment else None
-    erase = RandomErasing(re_prob, mode="pixel", max_count=1, device="cpu") if re_prob > 0 else None
+    erase = EraseBoxes(re_prob) if re_prob > 0 else None
     return FinetuneCrop(View(img_size, T.InterpolationMode.BICUBIC, mean, std), scale, hflip, policy, erase)
 
 
@@ -115,8 +121,9 @@ def eval_transform(
     mean: Sequence[float],
     std: Sequence[float],
     crop_pct: float = 0.875,
-) -> T.Compose:
-    """Evaluation: resize the shorter side to `img_size / crop_pct` (bicubic), then centre-crop `img_size`.
+) -> "CentreCrop":
+    """Evaluation: resize the shorter side to `img_size / crop_pct` (bicubic), then centre-crop `img_size`; ToTensor
+    and Normalize happen on the device.
 
     With the defaults at 224 px this is the usual resize 256, centre crop 224.
 
@@ -130,14 +137,19 @@ def eval_transform(
         raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
     height, width = to_2tuple(img_size)
     resize_to = math.floor(max(height, width) / crop_pct)  # the crop fits in both dimensions
-    return T.Compose(
-        [
-            T.Resize(resize_to, interpolation=T.InterpolationMode.BICUBIC),
-            T.CenterCrop((height, width)),
-            T.ToTensor(),
-            T.Normalize(mean, std),
-        ]
-    )
+    return CentreCrop(T.Resize(resize_to, interpolation=T.InterpolationMode.BICUBIC), (height, width), mean, std)
+
+
+class CentreCrop:
+    """A PIL resize, then the centre (height, width): (3, H, W) uint8 for "image", normalised on the device."""
+
+    def __init__(self, resize: T.Resize, size: tuple[int, int], mean: Sequence[float], std: Sequence[float]):
+        self.resize, self.crop = resize, T.CenterCrop(size)
+        self.normalisation = {"image": normalisation(mean, std)}
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        """(3, H, W) uint8."""
+        return F2.pil_to_tensor(self.crop(self.resize(image)))
 
 
 class View(NamedTuple):
@@ -151,15 +163,15 @@ class View(NamedTuple):
 
 
 class CropFlip:
-    """torchvision's RandomResizedCrop and RandomHorizontalFlip, then ToTensor and Normalize, for one or more views
-    of the same box and flip, at a fraction of the cost.
+    """torchvision's RandomResizedCrop and RandomHorizontalFlip for one or more views of the same box and flip, at a
+    fraction of the cost; ToTensor and Normalize follow on the device (`normalisation`).
 
     The box and the flip are torchvision's own draws (`RandomResizedCrop.get_params` on the full-size image, then
     `torch.rand(1) < hflip`), so the same torch RNG state gives the same box. Rendering differs from the PIL path:
 
     - the image becomes a uint8 tensor once, and each view is resized by torchvision's tensor path (torch's
-      antialiased uint8 kernels, within a few levels of Pillow's result), flipped, and normalised straight from
-      uint8 with one multiply-add per channel, with no intermediate PIL image;
+      antialiased uint8 kernels, within a few levels of Pillow's result) and flipped, with no intermediate PIL
+      image; the device normalises it straight from uint8 with one multiply-add per channel;
     - with `decode` (which the data pipeline calls), a JPEG is decoded at 1/2, 1/4 or 1/8 of its size (libjpeg's
       DCT scaling) when every box the crop can draw on it still has at least the largest view's resolution at that
       size. The box is then rendered from the reduced image, its edges rounded to the reduced pixel grid (under half
@@ -181,12 +193,8 @@ class CropFlip:
         hflip: float = 0.5,
     ):
         self.scale, self.ratio, self.hflip = tuple(scale), tuple(ratio), hflip
-        # Per view: (height, width), filter, and ToTensor + Normalize as one multiply-add per channel (3, 1, 1):
-        # (x / 255 - mean) / std = x / (255 std) - mean / std.
-        self.renderings = [
-            (to_2tuple(v.size), v.interpolation, 1 / (255 * _channels(v.std)), -_channels(v.mean) / _channels(v.std))
-            for v in views
-        ]
+        self.renderings = [(to_2tuple(v.size), v.interpolation) for v in views]  # per view: (height, width), filter
+        self.normalisation = {"image": normalisation(views[0].mean, views[0].std)}  # what __call__ emits
 
     def decode(self, data: bytes) -> ReducedImage:
         """Decodes image bytes to RGB, a JPEG at the largest reduction this crop allows (see the class docstring).
@@ -200,35 +208,26 @@ class CropFlip:
         """The largest JPEG reduction (1, 2, 4 or 8) at which every box this crop can draw on a full-size
         width x height image keeps at least every view's output resolution."""
         box_width, box_height = smallest_box(width, height, self.scale, self.ratio)
-        sizes = [size for size, *_ in self.renderings]  # (height, width) each
+        sizes = [size for size, _ in self.renderings]  # (height, width) each
         need_height, need_width = max(h for h, _ in sizes), max(w for _, w in sizes)
         return next((r for r in (8, 4, 2) if box_width >= r * need_width and box_height >= r * need_height), 1)
 
     def __call__(self, image: Image.Image | ReducedImage) -> torch.Tensor:
-        """The first view, (3, H, W) float32."""
-        return self.views(image)[0]
-
-    def views(self, image: Image.Image | ReducedImage) -> list[torch.Tensor]:
-        """Draws one box and one flip, then renders every view: (3, H, W) float32 each."""
-        return [self.normalise(pixels, i) for i, pixels in enumerate(self.pixels(image))]
+        """The first view, (3, H, W) uint8."""
+        return self.pixels(image)[0]
 
     def pixels(self, image: Image.Image | ReducedImage) -> list[torch.Tensor]:
-        """Draws one box and one flip, then renders every view before normalisation: (3, H, W) uint8 each."""
+        """Draws one box and one flip, then renders every view: (3, H, W) uint8 each."""
         if not isinstance(image, ReducedImage):
             image = ReducedImage(to_rgb(image), image.size, 1)
         box, flip = self.draw(image.full_size)
         top, left, box_height, box_width = reduced_box(box, image.reduction)
         pixels = torch.from_numpy(np.array(image.image)).permute(2, 0, 1)  # (3, h, w) uint8 over an (h, w, 3) buffer
         views = []
-        for size, interpolation, *_ in self.renderings:
+        for size, interpolation in self.renderings:
             view = F2.resized_crop(pixels, top, left, box_height, box_width, list(size), interpolation, antialias=True)
             views.append(view.flip(-1) if flip else view)  # (3, H, W) uint8
         return views
-
-    def normalise(self, pixels: torch.Tensor, view: int) -> torch.Tensor:
-        """ToTensor and Normalize of view number `view`, as one multiply-add: (3, H, W) uint8 -> float32."""
-        *_, gain, offset = self.renderings[view]
-        return pixels.float().contiguous().mul_(gain).add_(offset)
 
     def draw(self, full_size: tuple[int, int]) -> tuple[tuple[int, int, int, int], bool]:
         """torchvision's draws for a full-size (width, height) image: the (top, left, height, width) box, then the
@@ -254,22 +253,24 @@ class TwoViewCropFlip(CropFlip):
     def __init__(self, img_size, second_size, mean, std, second_mean, second_std, scale=(0.2, 1.0)):
         encoder = View(img_size, T.InterpolationMode.BICUBIC, mean, std)
         super().__init__([encoder, View(second_size, T.InterpolationMode.LANCZOS, second_mean, second_std)], scale)
+        self.normalisation["tokenizer_image"] = normalisation(second_mean, second_std)
 
     def __call__(self, image: Image.Image | ReducedImage) -> dict[str, torch.Tensor]:
-        first, second = self.views(image)
+        """(3, H, W) and (3, h, w) uint8."""
+        first, second = self.pixels(image)
         return {"image": first, "tokenizer_image": second}
 
 
 class FinetuneCrop(CropFlip):
-    """`CropFlip`'s box and flip rendered once (uint8), then an optional PIL policy, normalisation and optional random
-    erasing: the fine-tuning transform (see `finetune_train_transform`).
+    """`CropFlip`'s box and flip rendered once (uint8), then an optional PIL policy and an optional random-erasing
+    box: the fine-tuning transform (see `finetune_train_transform`).
 
     Args:
         view: The rendering.
         scale: Range of the box's area as a fraction of the image.
         hflip: Probability of flipping horizontally.
         policy: A PIL-to-PIL augmentation applied to the rendered crop, or None.
-        erase: Applied to the normalised (3, H, W) tensor, or None.
+        erase: Draws the erasing box, which the device fills after normalisation (data/device.py), or None.
     """
 
     def __init__(
@@ -278,19 +279,18 @@ class FinetuneCrop(CropFlip):
         scale: tuple[float, float],
         hflip: float,
         policy: Callable[[Image.Image], Image.Image] | None,
-        erase: Callable[[torch.Tensor], torch.Tensor] | None,
+        erase: EraseBoxes | None,
     ):
         super().__init__([view], scale=scale, hflip=hflip)
         self.policy, self.erase = policy, erase
 
-    def __call__(self, image: Image.Image | ReducedImage) -> torch.Tensor:
-        """(3, H, W) float32."""
+    def __call__(self, image: Image.Image | ReducedImage) -> torch.Tensor | dict[str, torch.Tensor]:
+        """(3, H, W) uint8; with erasing {"image": it, "erase": (5,) int64 box and noise seed}."""
         (pixels,) = self.pixels(image)  # (3, H, W) uint8
         if self.policy is not None:
             augmented = self.policy(Image.fromarray(pixels.permute(1, 2, 0).numpy()))  # (H, W, 3) buffer, RGB
             pixels = torch.from_numpy(np.array(augmented)).permute(2, 0, 1)
-        out = self.normalise(pixels, 0)
-        return out if self.erase is None else self.erase(out)
+        return pixels if self.erase is None else {"image": pixels, "erase": self.erase(*pixels.shape[-2:])}
 
 
 def smallest_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float]) -> tuple[int, int]:
@@ -333,13 +333,10 @@ class WithMask:
         self.transform, self.mask_generator = transform, mask_generator
         if hasattr(transform, "decode"):
             self.decode = transform.decode  # the pipeline decodes images the way the wrapped transform reads them
+        if hasattr(transform, "normalisation"):
+            self.normalisation = transform.normalisation  # and the device normalises what it emits
 
     def __call__(self, image: Image.Image | ReducedImage) -> dict[str, torch.Tensor]:
         out = self.transform(image)
         fields = out if isinstance(out, dict) else {"image": out}
         return {**fields, "mask": self.mask_generator()}
-
-
-def _channels(values: Sequence[float]) -> torch.Tensor:
-    """Per-channel values as a (3, 1, 1) float32 tensor."""
-    return torch.tensor(values, dtype=torch.float32).view(3, 1, 1)

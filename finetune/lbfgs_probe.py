@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from core.config import load_config
 from core.engine.loop import autocast_context
 from core.models import build_model
+from data.device import batch_to_device
 from data.pipeline import make_eval_loader
 from data.specs import dataset_classes, resolve_shards
 from data.transforms import eval_transform
@@ -131,7 +132,8 @@ def extract_features(model, loader, precision: str) -> tuple[dict[str, torch.Ten
     labels = []
     for batch in loader:
         with autocast_context(precision, torch.device("cpu")):
-            tokens = model.forward_features(batch["image"]).float()  # (B, T, D)
+            images = batch_to_device(batch, torch.device("cpu"))["image"]  # (B, 3, H, W) normalised
+            tokens = model.forward_features(images).float()  # (B, T, D)
         pooled["cls"].append(tokens[:, 0])
         pooled["mean"].append(tokens[:, model.num_prefix_tokens :].mean(dim=1))
         labels.append(batch["label"])

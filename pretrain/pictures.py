@@ -22,7 +22,7 @@ from core.engine.loop import autocast_context, to_device
 from core.pictures import bar_chart, image_grid, upscale_nearest
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
-from data.transforms import WithMask, eval_transform
+from data.transforms import CentreCrop, WithMask, eval_transform
 from pretrain.mae import normalize_patches, patchify, reconstruction_grid
 from pretrain.objectives import mask_generator, tokenizer_manifest
 from pretrain.targets import class_colors
@@ -86,8 +86,12 @@ def _beit_view(cfg: Config):
 class _TwoViews:
     """The encoder's view and the tokenizer's, both of the whole image (the fixed batch has no random crop)."""
 
-    def __init__(self, view: Callable, tokenizer_view: Callable):
+    def __init__(self, view: CentreCrop, tokenizer_view: CentreCrop):
         self.view, self.tokenizer_view = view, tokenizer_view
+        self.normalisation = {  # each view with its own mean and std, on the device
+            "image": view.normalisation["image"],
+            "tokenizer_image": tokenizer_view.normalisation["image"],
+        }
 
     def __call__(self, image) -> dict[str, torch.Tensor]:
         return {"image": self.view(image), "tokenizer_image": self.tokenizer_view(image)}

@@ -28,6 +28,7 @@ from core.engine.distributed import all_reduce
 from core.engine.ds_compat import loss_scale, scales_loss_itself, skipped_steps
 from core.engine.schedule import lr_at
 from core.engine.utilisation import start_meter
+from data.device import batch_to_device
 
 if TYPE_CHECKING:
     from core.engine.run import StageRun
@@ -83,13 +84,11 @@ def autocast_context(precision: str, device: torch.device):
 
 
 def to_device(batch: dict, device: torch.device, precision: str) -> dict:
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            value = value.to(device, non_blocking=True)
-            if precision == "fp16" and value.is_floating_point():
-                value = value.half()
-        out[key] = value
+    """The model's input: the batch copied, its uint8 images normalised, erased and mixed on `device` in float32
+    (`data.device.batch_to_device`, shared by every path that feeds a model), then cast to half under fp16."""
+    out = batch_to_device(batch, device)
+    if precision == "fp16":
+        out = {k: v.half() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in out.items()}
     return out
 
 

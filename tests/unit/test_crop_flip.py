@@ -14,6 +14,7 @@ from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 
 from data.decode import ReducedImage, decode_rgb
+from data.device import batch_to_device
 from data.pipeline import make_train_loader
 from data.transforms import (
     IMAGENET_MEAN,
@@ -152,6 +153,13 @@ def test_reduction_follows_the_largest_view():
     assert pretrain_transform((224, 448), IMAGENET_MEAN, IMAGENET_STD).max_reduction(2000, 1500) == 1
 
 
+def _normalised(transform, out: torch.Tensor | dict) -> dict[str, torch.Tensor]:
+    """The normalised views the device makes of one sample `transform` emitted: (3, H, W) float32 each."""
+    fields = out if isinstance(out, dict) else {"image": out}
+    batch = {name: view[None] for name, view in fields.items()} | {"normalise": transform.normalisation}
+    return {name: view[0] for name, view in batch_to_device(batch, torch.device("cpu")).items()}
+
+
 def _normalised_levels(x: torch.Tensor) -> torch.Tensor:
     """A difference of ImageNet-normalised images in 8-bit pixel levels."""
     return x * STD * 255
@@ -165,14 +173,15 @@ def test_fast_path_matches_torchvision_where_no_reduction_applies():
     assert np.array_equal(np.asarray(reduced.image), np.asarray(image))
     for seed in range(10):
         torch.manual_seed(seed)
-        ours = crop(reduced)
+        pixels = crop(reduced)
+        ours = _normalised(crop, pixels)["image"]
         torch.manual_seed(seed)
         theirs = plain(image)
         assert ours.shape == theirs.shape == (3, 224, 224) and ours.dtype == torch.float32
         levels = _normalised_levels(ours - theirs).abs()
         assert levels.max() <= 3 and levels.mean() < 0.05, (seed, levels.max(), levels.mean())
         torch.manual_seed(seed)
-        assert torch.equal(crop(image), ours)  # a PIL image in: the same output
+        assert torch.equal(crop(image), pixels)  # a PIL image in: the same output
 
 
 def test_two_views_match_torchvision_where_no_reduction_applies():
@@ -182,7 +191,7 @@ def test_two_views_match_torchvision_where_no_reduction_applies():
     image, rrc = decode_rgb(data), T.RandomResizedCrop(224, scale=SCALE)
     for seed in range(10):
         torch.manual_seed(seed)
-        out = transform(transform.decode(data))
+        out = _normalised(transform, transform(transform.decode(data)))
         torch.manual_seed(seed)
         top, left, height, width = rrc.get_params(image, rrc.scale, rrc.ratio)
         flip = torch.rand(1) < 0.5
@@ -203,7 +212,7 @@ def test_reduced_decode_renders_the_same_picture():
     assert reduced.reduction == 2 and reduced.full_size == (2000, 1500) and reduced.image.size == (1000, 750)
     for seed in range(5):
         torch.manual_seed(seed)
-        ours = crop(reduced)
+        ours = _normalised(crop, crop(reduced))["image"]
         torch.manual_seed(seed)
         levels = _normalised_levels(ours - plain(image)).abs()
         # libjpeg's 4x4 inverse DCT against Pillow's bicubic antialiasing: close, not equal (here means of 0.3-0.5
@@ -241,6 +250,9 @@ def test_pipeline_decodes_with_the_transform_and_counts_corrupt_images(tmp_path)
     assert batch["key"] == ["s_00000000", "s_00000002", "s_00000004", "s_00000005"]
     assert int(batch["num_corrupt"]) == 2  # the truncated JPEG fails inside `decode`, the garbage at open
     assert batch["image"].shape == (4, 3, 64, 64) and batch["mask"].shape == (4, 4, 4)
+    assert batch["image"].dtype == torch.uint8 and torch.equal(
+        batch["normalise"]["image"], transform.normalisation["image"]
+    )
 
 
 def test_pipeline_passes_what_decode_returns_to_the_transform(tmp_path):

@@ -15,6 +15,7 @@ import webdataset as wds
 from PIL import Image
 
 from data import sources
+from data.device import batch_to_device
 from data.masking import BlockwiseMaskGenerator
 from data.pipeline import _sample_seed, make_eval_loader, make_train_loader
 from data.specs import dataset_size, resolve_shards
@@ -145,7 +146,7 @@ def test_eval_loader_sees_every_sample_once(shard_dir, world_size, num_workers, 
         )
         assert loader.num_workers == used_workers  # fewer workers than asked when shards run short
         for batch in loader:
-            assert batch["image"].shape == (len(batch["key"]), 3, SIZE, SIZE) and batch["image"].dtype == torch.float32
+            assert batch["image"].shape == (len(batch["key"]), 3, SIZE, SIZE) and batch["image"].dtype == torch.uint8
             assert len(batch["key"]) <= batch_size
             keys.extend(batch["key"])
             labels.extend(batch["label"].tolist())
@@ -268,9 +269,10 @@ def test_grayscale_images_become_rgb_and_match_the_transform(tmp_path):
         resolve_shards(str(tmp_path)), transform=transform, batch_size=6, rank=0, world_size=1, num_workers=0
     )
     assert batch["image"].shape == (6, 3, SIZE, SIZE) and batch["label"].tolist() == [0, 1, 0, 1, 0, 1]
+    assert torch.equal(batch["image"], torch.from_numpy(pixels)[:, None].expand(6, 3, SIZE, SIZE))  # grey everywhere
     mean, std = torch.tensor(MEAN).view(3, 1, 1), torch.tensor(STD).view(3, 1, 1)
-    expected = (torch.from_numpy(pixels).float()[:, None] / 255 - mean) / std  # (N, 3, H, W), grey in every channel
-    torch.testing.assert_close(batch["image"], expected, rtol=0, atol=1e-5)
+    expected = (torch.from_numpy(pixels).float()[:, None] / 255 - mean) / std  # (N, 3, H, W)
+    torch.testing.assert_close(batch_to_device(batch, torch.device("cpu"))["image"], expected, rtol=0, atol=1e-5)
 
 
 def test_dict_transform_outputs_are_stacked_and_reproducible(shard_dir):

@@ -54,7 +54,7 @@ def test_pretraining_streams_every_decodable_image_and_counts_the_two_bad_sample
     assert [b["key"] for b in batches] == [GOOD_KEYS[:4], GOOD_KEYS[4:]]
     assert [int(b["num_corrupt"]) for b in batches] == [0, 2]  # the caption-only sample, then the truncated JPEG
     for batch in batches:
-        assert batch["image"].shape == (4, 3, SIZE, SIZE) and batch["image"].dtype == torch.float32
+        assert batch["image"].shape == (4, 3, SIZE, SIZE) and batch["image"].dtype == torch.uint8
         assert batch["label"].tolist() == [-1] * 4 and batch["is_rgb"].all()
         assert [tuple(s) for s in batch["size"].tolist()] == [SIZES[k] for k in batch["key"]]  # EXIF rotation on
     warnings = [r.getMessage() for r in caplog.records]
