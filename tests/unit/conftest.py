@@ -29,10 +29,11 @@ def wide_vit(seed: int = 0, **overrides) -> VisionTransformer:
     return tiny_vit(seed, **(WIDE | overrides))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_rank(tmp_path_factory):
-    """A one-process gloo group, as torchrun would make it, for engines built by `parallelize`: one for the module,
-    since DeepSpeed keeps the groups it derives from the first one it sees."""
+    """A one-process gloo group, as torchrun would make it, for engines built by `parallelize`: one for the test
+    process (an xdist worker runs several files), since DeepSpeed keeps the groups it derives from the first one it
+    sees."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("LOCAL_RANK", "0")  # what torchrun sets; DeepSpeed asserts it
         store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("one_rank") / "store"), 1)
