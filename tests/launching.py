@@ -104,8 +104,9 @@ def torchrun(
     script: str | Path, *args, nproc: int = 2, timeout: int = 300, device: str = "cpu"
 ) -> subprocess.CompletedProcess:
     """Run the worker `script` (a name in tests/dist, or a path) with `args` under torchrun: `nproc` processes, one
-    thread each, with DeepSpeed's accelerator for `device` ("cpu", or "cuda" for a tests/gpu worker). Asserts that every process exited 0 (failing with the end of its stderr) and returns the CompletedProcess
-    (stdout and stderr apart)."""
+    thread each, with DeepSpeed's accelerator for `device` ("cpu", or "cuda" for a tests/gpu worker). Asserts that
+    every process exited 0 (failing with the end of its stderr) and returns the CompletedProcess (stdout and stderr
+    apart)."""
     path = script if isinstance(script, Path) else REPO / "tests" / "dist" / script
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     cmd += ["--master-port", str(free_port()), str(path), *map(str, args)]
