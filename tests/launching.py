@@ -18,6 +18,7 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,6 +124,28 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["train/loss"] for m in read_metrics(run_dir) if "train/loss" in m}
+
+
+def assert_resume_repeats(
+    run_dir: Path, resumed: Path, *, from_step: int, last_step: int, nproc: int = 2, rel: float = 1e-6
+) -> None:
+    """Copies the finished `run_dir` to `resumed` with its checkpoints after `from_step` removed, launches it again
+    with `nproc` processes and checks that steps from_step+1..last_step give the same losses, to `rel` (a CPU run
+    repeats its bits; tests/gpu states the tolerance a CUDA run keeps)."""
+    shutil.copytree(run_dir, resumed)
+    for later in range(from_step + 1, last_step + 1):
+        shutil.rmtree(resumed / "checkpoints" / f"step_{later:08d}", ignore_errors=True)
+    (resumed / "checkpoints" / "latest").write_text(f"step_{from_step:08d}")
+    (resumed / "metrics.jsonl").unlink()
+    recipe_path = resumed.with_suffix(".yaml")
+    recipe_path.write_text((run_dir / "config.yaml").read_text().replace(str(run_dir), str(resumed)))
+    proc = launch(recipe_path, nproc=nproc)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "resumed from" in proc.stdout and f"at step {from_step}" in proc.stdout
+    before, after = losses(run_dir), losses(resumed)
+    assert sorted(after) == list(range(from_step + 1, last_step + 1))
+    for step in after:
+        assert after[step] == pytest.approx(before[step], rel=rel, abs=1e-7), (step, after, before)
 
 
 def write_synthetic(out: Path, split: str, num: int, shard_size: int, seed: int) -> Path:
