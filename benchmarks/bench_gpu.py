@@ -191,6 +191,12 @@ def config_row(model: str, mode: str, search: Search) -> str:
     )
 
 
+def failed_row(model: str, mode: str, err: Exception) -> str:
+    """The row of a configuration whose worker failed: the last line of its output (the console has the rest)."""
+    last = str(err).strip().splitlines()[-1].replace("|", "/")
+    return f"| {model} | {mode} | failed: {last} | - | - | - | - | - | - |"
+
+
 def data_row(model: str, mode: str, batch: int, workers: int, measured: dict) -> str:
     if "error" in measured:
         return f"| {model} | {mode} | {batch} | {workers} | failed: {measured['error']} | - | - |"
@@ -269,7 +275,12 @@ def bench_model(model: str, args: argparse.Namespace, shards: Path, scratch: Pat
     for mode, precision, compiled in MODES[:1] if args.quick else MODES:
         start = getattr(searches.get(MODES[0][0]), "batch", None) or args.start_batch
         measure = measure_config(recipe, precision, compiled, shards, scratch, args)
-        searches[mode] = largest_batch(measure, start=start, limit=args.max_batch, granularity=args.granularity)
+        try:
+            searches[mode] = largest_batch(measure, start=start, limit=args.max_batch, granularity=args.granularity)
+        except RuntimeError as err:  # a worker failed other than by running out of memory: say so, go on
+            print(f"[bench] {model} {mode}: {err}", flush=True)
+            rows.append(failed_row(model, mode, err))
+            continue
         rows.append(config_row(model, mode, searches[mode]))
     speeds = {
         (mode, compiled): summarize(searches[mode].batch, searches[mode].result)["images_per_sec"]

@@ -41,8 +41,11 @@ COMPILED_RTOL = 2e-2
 CPU_RTOL = 5e-2
 
 
-def _recipe(shards, run_dir: Path, **engine) -> dict:
-    return pretrain_recipe(shards, run_dir, engine={"device": DEVICE, "precision": "bf16", **engine})
+def _recipe(shards, run_dir: Path, engine: dict | None = None, **sections) -> dict:
+    """pretrain_recipe on DEVICE in bf16, with `engine` settings and other `sections` on top."""
+    return pretrain_recipe(
+        shards, run_dir, engine={"device": DEVICE, "precision": "bf16", **(engine or {})}, **sections
+    )
 
 
 def _run(recipe: dict, path: Path, nproc: int = 1) -> str:
@@ -63,40 +66,49 @@ def _assert_losses_close(got: dict[int, float], want: dict[int, float], rtol: fl
 def zero2(shards, tmp_path_factory) -> Path:
     """The reference: ZeRO-2, checkpoints at 3 and 6, exported at the end. Returns its run_dir."""
     tmp = tmp_path_factory.mktemp("zero2")
-    _run(_recipe(shards, tmp / "run", zero_stage=2), tmp / "tiny_mae.yaml")
+    _run(_recipe(shards, tmp / "run", {"zero_stage": 2}), tmp / "tiny_mae.yaml")
     return tmp / "run"
 
 
 def test_blocks_run_in_bf16_inside_the_engine(shards, tmp_path):
-    """Every transformer block, encoder and decoder, outputs bf16 in the training forwards inside `engine(...)` and
-    in the forwards outside it (FLOP count, pictures), and DeepSpeed does not switch the loop's autocast off."""
-    recipe = _recipe(shards, tmp_path / "run", zero_stage=2, schedule={"steps": 2, "warmup_steps": 1})
+    """Every Linear layer inside a transformer block, encoder and decoder, outputs bf16 in the training forwards
+    inside `engine(...)` and in the forwards outside it (FLOP count, pictures), and DeepSpeed does not switch the
+    loop's autocast off (on CUDA it did, issue 26)."""
+    recipe = _recipe(shards, tmp_path / "run", {"zero_stage": 2}, schedule={"steps": 2, "warmup_steps": 1})
     out = tmp_path / "dtypes.json"
     worker = Path(__file__).with_name("block_dtypes_worker.py")
     proc = torchrun(worker, out, write_recipe(tmp_path / "tiny_mae.yaml", recipe), nproc=1, device=DEVICE)
     assert "disabled within the DeepSpeed engine" not in proc.stdout + proc.stderr
     counts = json.loads(out.read_text())
-    assert set(counts["grad"]) == {"bfloat16"} and set(counts["no_grad"]) <= {"bfloat16"}, counts
-    # 2 training steps x (2 encoder + 1 decoder blocks), besides the FLOP count's forward
-    assert counts["grad"]["bfloat16"] >= 2 * 3, counts
+    assert set(counts["grad"]) == {"bfloat16"} and set(counts["no_grad"]) == {"bfloat16"}, counts
+    # (2 encoder + 1 decoder blocks) x (qkv, proj, fc1, fc2) per forward: 2 training steps, the FLOP count's forward
+    assert counts["grad"]["bfloat16"] >= 3 * 12, counts
 
 
-@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("stage", [0, 1])
 def test_zero_stages_train_like_zero2(zero2, shards, tmp_path, stage):
-    """Same seed, data and masks: every stage's losses are ZeRO-2's, within the order of CUDA's sums. ZeRO-3 builds
-    its weights inside deepspeed.zero.Init, on the GPU: they must be the same initial weights."""
-    _run(_recipe(shards, tmp_path / "run", zero_stage=stage), tmp_path / f"tiny_mae_zero{stage}.yaml")
+    """Same seed, data, masks and initial weights: every step's loss is ZeRO-2's, within the order of CUDA's sums."""
+    _run(_recipe(shards, tmp_path / "run", {"zero_stage": stage}), tmp_path / f"tiny_mae_zero{stage}.yaml")
+    _assert_losses_close(losses(tmp_path / "run"), losses(zero2), REPEAT_RTOL)
+
+
+def test_zero3_starts_and_trains_like_zero2(zero2, shards, tmp_path):
+    """ZeRO-3 builds the objective inside deepspeed.zero.Init, whose weights are drawn on the GPU: issue 26 asks for
+    ZeRO-0/2's initial weights there too (and the same RNG position after the build, so the same masks)."""
+    _run(_recipe(shards, tmp_path / "run", {"zero_stage": 3}), tmp_path / "tiny_mae_zero3.yaml")
     _assert_losses_close(losses(tmp_path / "run"), losses(zero2), REPEAT_RTOL)
 
 
 def test_compiled_trains_like_eager(zero2, shards, tmp_path):
-    output = _run(_recipe(shards, tmp_path / "run", zero_stage=2, compile=True), tmp_path / "tiny_mae_compiled.yaml")
+    output = _run(
+        _recipe(shards, tmp_path / "run", {"zero_stage": 2, "compile": True}), tmp_path / "tiny_mae_compiled.yaml"
+    )
     assert re.search(r"engine\.compile: .* compiled with inductor", output), output[-4000:]
     _assert_losses_close(losses(tmp_path / "run"), losses(zero2), COMPILED_RTOL)
 
 
 def test_activation_checkpointing_changes_memory_not_losses(zero2, shards, tmp_path):
-    recipe = _recipe(shards, tmp_path / "run", zero_stage=2, activation_checkpointing=True)
+    recipe = _recipe(shards, tmp_path / "run", {"zero_stage": 2, "activation_checkpointing": True})
     _run(recipe, tmp_path / "tiny_mae_checkpointed.yaml")
     _assert_losses_close(losses(tmp_path / "run"), losses(zero2), REPEAT_RTOL)
     peak = {run: max(m["perf/max_memory_gb"] for m in read_metrics(run) if "perf/max_memory_gb" in m)
@@ -124,7 +136,7 @@ def test_finetune_from_the_cuda_export_evaluates(zero2, shards, tmp_path):
 def test_two_ranks_on_nccl_train_like_two_on_the_cpu(shards, tmp_path):
     """2 ranks, one GPU each (NCCL), against the same recipe on 2 CPU ranks (gloo) in fp32: the same global batches
     of the same shards, every step's loss within CPU_RTOL."""
-    _run(_recipe(shards, tmp_path / "cuda", zero_stage=2), tmp_path / "tiny_mae_nccl.yaml", nproc=2)
+    _run(_recipe(shards, tmp_path / "cuda", {"zero_stage": 2}), tmp_path / "tiny_mae_nccl.yaml", nproc=2)
     cpu = pretrain_recipe(shards, tmp_path / "cpu", engine={"device": "cpu", "precision": "fp32", "zero_stage": 2})
     proc = launch(write_recipe(tmp_path / "tiny_mae_gloo.yaml", cpu), nproc=2)
     assert proc.returncode == 0, proc.stdout[-4000:]

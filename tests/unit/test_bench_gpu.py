@@ -101,3 +101,10 @@ def test_with_a_gpu_there_is_no_skip_reason(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert bench_gpu.no_gpu_reason() is None
     assert bench_gpu.main(["--skip-reason"]) == 0 and capsys.readouterr().out == "\n"
+
+
+def test_a_failed_worker_is_a_row_saying_so():
+    err = RuntimeError("bf16 compiled failed (exit 1):\nTraceback ...\ntriton.CompilationError: a | b")
+    assert bench_gpu.failed_row("ViT-B/16", "bf16 compiled", err) == (
+        "| ViT-B/16 | bf16 compiled | failed: triton.CompilationError: a / b | - | - | - | - | - | - |"
+    )
