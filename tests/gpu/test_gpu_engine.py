@@ -107,13 +107,11 @@ def test_compiled_trains_like_eager(zero2, shards, tmp_path):
     _assert_losses_close(losses(tmp_path / "run"), losses(zero2), COMPILED_RTOL)
 
 
-def test_activation_checkpointing_changes_memory_not_losses(zero2, shards, tmp_path):
+def test_activation_checkpointing_keeps_the_losses(zero2, shards, tmp_path):
+    """The recomputed forwards give the same losses (their memory is benchmarks/bench_memory.py's question)."""
     recipe = _recipe(shards, tmp_path / "run", {"zero_stage": 2, "activation_checkpointing": True})
     _run(recipe, tmp_path / "tiny_mae_checkpointed.yaml")
     _assert_losses_close(losses(tmp_path / "run"), losses(zero2), REPEAT_RTOL)
-    peak = {run: max(m["perf/max_memory_gb"] for m in read_metrics(run) if "perf/max_memory_gb" in m)
-            for run in (tmp_path / "run", zero2)}  # fmt: skip
-    assert peak[tmp_path / "run"] <= peak[zero2], peak
 
 
 def test_resume_repeats_the_next_losses(zero2, tmp_path):
