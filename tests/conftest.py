@@ -1,12 +1,19 @@
-"""Session fixtures shared by tests/dist and tests/gpu: synthetic shards."""
+"""Session fixtures shared by tests/dist and tests/gpu: synthetic shards. Also pins DeepSpeed's accelerator of the
+test process to the CPU's, as CI has it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.launching import write_synthetic
+
+# DeepSpeed picks its accelerator once, at first use, from this variable, else CUDA's wherever a GPU is visible: the
+# engines the unit tests build on the CPU would then move to the GPU. Processes the tests start set their own
+# (tests/launching.py); tests/gpu runs its CUDA engines in such processes.
+os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 @pytest.fixture(scope="session")

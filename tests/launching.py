@@ -1,4 +1,10 @@
-"""Helpers for tests that run the pipeline for real: tiny recipes, synthetic shards, ./launch.sh, run outputs."""
+"""Helpers for tests that run the pipeline for real: tiny recipes, synthetic shards, ./launch.sh, run outputs.
+
+Every recipe a test writes or launches names its device (`engine.device: cpu`, or `cuda` in tests/gpu) and every
+process it starts gets the matching DeepSpeed accelerator (`DS_ACCELERATOR`): left at `auto`, a GPU host would run
+the CPU suite on its GPU, where losses and weights are not the CPU's bits. `write_recipe` and `launch` refuse a
+recipe that does not, so CI catches one as well as a GPU host would.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,10 @@ import socket
 import subprocess
 import sys
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,29 +32,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DEVICES = ("cpu", "cuda")
+"""The values of `engine.device` a test may run: never `auto`, which follows the host."""
+
+
+def _require_pinned(device: object, where: Path) -> str:
+    if device not in DEVICES:
+        raise ValueError(
+            f"{where}: engine.device is {device!r}; a test recipe pins it to 'cpu' ('cuda' in tests/gpu), so that a "
+            "GPU host runs the tests CI runs"
+        )
+    return device
+
+
+def _engine_device(recipe: dict) -> object:
+    engine = recipe.get("engine")
+    return engine.get("device") if isinstance(engine, dict) else None
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
+    """Write `recipe` as YAML to `path`, refusing one whose `engine.device` is not pinned (see the module's doc)."""
+    _require_pinned(_engine_device(recipe), path)
     path.write_text("# ./launch.sh " + path.name + "  (written by the test)\n" + yaml.safe_dump(recipe))
     return path
 
 
-def launch_env(nproc: int = 2, extra_env: dict | None = None) -> dict[str, str]:
-    """The environment ./launch.sh gets in the tests: `nproc` processes, a free port, this Python, one thread each."""
+def pinned_device(recipe: Path, overrides: Sequence[str] = ()) -> str:
+    """The `engine.device` the recipe file runs on with command-line `overrides` (the last `engine.device=` one
+    wins, as in core/config.py).
+
+    Raises:
+        ValueError: If that is `auto` or unset (a recipe with a `base:` must then say it itself).
+    """
+    device = _engine_device(yaml.safe_load(recipe.read_text()) or {})
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key == "engine.device":
+            device = value
+    return _require_pinned(device, recipe)
+
+
+def launch_env(nproc: int = 2, extra_env: dict | None = None, device: str = "cpu") -> dict[str, str]:
+    """The environment ./launch.sh gets in the tests: `nproc` processes, a free port, this Python, one thread each,
+    DeepSpeed's accelerator for `device` (DeepSpeed picks CUDA's wherever a GPU is visible, unless told)."""
     return {
         **os.environ,
         "NPROC_PER_NODE": str(nproc),
         "MASTER_PORT": str(free_port()),
         "PYTHON": sys.executable,
         "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": device,
         **(extra_env or {}),
     }
 
 
 def launch(recipe: Path, *overrides: str, nproc: int = 2, timeout: int = 300, extra_env: dict | None = None):
-    """Run ./launch.sh as a user would; returns the CompletedProcess (stdout and stderr merged)."""
+    """Run ./launch.sh as a user would, with the accelerator of the recipe's pinned device (`pinned_device`);
+    returns the CompletedProcess (stdout and stderr merged)."""
+    device = pinned_device(recipe, overrides)
     return subprocess.run(
         [str(REPO / "launch.sh"), str(recipe), *overrides],
         cwd=REPO,
-        env=launch_env(nproc, extra_env),
+        env=launch_env(nproc, extra_env, device),
         timeout=timeout,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -54,13 +101,18 @@ def launch(recipe: Path, *overrides: str, nproc: int = 2, timeout: int = 300, ex
     )
 
 
-def torchrun(script: str, *args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run the worker tests/dist/`script` with `args` under torchrun: `nproc` gloo processes on the CPU, one thread
-    each. Asserts that every process exited 0 (failing with the end of its stderr) and returns the CompletedProcess
-    (stdout and stderr apart)."""
+def torchrun(
+    script: str | Path, *args, nproc: int = 2, timeout: int = 300, device: str = "cpu"
+) -> subprocess.CompletedProcess:
+    """Run the worker `script` (a name in tests/dist, or a path) with `args` under torchrun: `nproc` processes, one
+    thread each, with DeepSpeed's accelerator for `device` ("cpu", or "cuda" for a tests/gpu worker). Asserts that
+    every process exited 0 (failing with the end of its stderr) and returns the CompletedProcess (stdout and stderr
+    apart)."""
+    path = script if isinstance(script, Path) else REPO / "tests" / "dist" / script
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    cmd += ["--master-port", str(free_port()), str(REPO / "tests" / "dist" / script), *map(str, args)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    cmd += ["--master-port", str(free_port()), str(path), *map(str, args)]
+    assert device in DEVICES, device
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": device}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{script} {' '.join(map(str, args))}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
     return proc
@@ -72,6 +124,28 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["train/loss"] for m in read_metrics(run_dir) if "train/loss" in m}
+
+
+def assert_resume_repeats(
+    run_dir: Path, resumed: Path, *, from_step: int, last_step: int, nproc: int = 2, rel: float = 1e-6
+) -> None:
+    """Copies the finished `run_dir` to `resumed` with its checkpoints after `from_step` removed, launches it again
+    with `nproc` processes and checks that steps from_step+1..last_step give the same losses, to `rel` (a CPU run
+    repeats its bits; tests/gpu states the tolerance a CUDA run keeps)."""
+    shutil.copytree(run_dir, resumed)
+    for later in range(from_step + 1, last_step + 1):
+        shutil.rmtree(resumed / "checkpoints" / f"step_{later:08d}", ignore_errors=True)
+    (resumed / "checkpoints" / "latest").write_text(f"step_{from_step:08d}")
+    (resumed / "metrics.jsonl").unlink()
+    recipe_path = resumed.with_suffix(".yaml")
+    recipe_path.write_text((run_dir / "config.yaml").read_text().replace(str(run_dir), str(resumed)))
+    proc = launch(recipe_path, nproc=nproc)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "resumed from" in proc.stdout and f"at step {from_step}" in proc.stdout
+    before, after = losses(run_dir), losses(resumed)
+    assert sorted(after) == list(range(from_step + 1, last_step + 1))
+    for step in after:
+        assert after[step] == pytest.approx(before[step], rel=rel, abs=1e-7), (step, after, before)
 
 
 def write_synthetic(out: Path, split: str, num: int, shard_size: int, seed: int) -> Path:
@@ -127,7 +201,7 @@ def pretrain_recipe(shards: dict[str, Path], run_dir: Path, **sections) -> dict:
         "objective": {"kind": "mae", "decoder_embed_dim": 32, "decoder_depth": 1, "decoder_num_heads": 2},
         "optim": {"base_lr": 1e-3},
         "schedule": {"steps": 6, "warmup_steps": 2},
-        "engine": {"zero_stage": 2},
+        "engine": {"device": "cpu", "zero_stage": 2},
         "checkpoint": {"every_steps": 3, "keep_last": 2},
         "logging": {"every_steps": 1, "image_every_steps": 3},
     }
@@ -154,7 +228,7 @@ def finetune_recipe(shards: dict[str, Path], run_dir: Path, init: Path, **engine
         "objective": {"kind": "classification", "label_smoothing": 0.1},
         "optim": {"base_lr": 1e-3, "betas": [0.9, 0.999]},
         "schedule": {"steps": 4, "warmup_steps": 1},
-        "engine": {"zero_stage": 1, **engine},
+        "engine": {"device": "cpu", "zero_stage": 1, **engine},
         "checkpoint": {"every_steps": 4},
         "logging": {"every_steps": 2},
         "eval": {"every_steps": 2},

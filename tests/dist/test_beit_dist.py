@@ -48,7 +48,7 @@ def _recipe(stage: str, run_dir: Path, fmnist, objective: dict, **sections) -> d
         "objective": objective,
         "optim": {"base_lr": 2e-3, "lr_rule": "absolute", "betas": [0.9, 0.999], "weight_decay": 0.0},
         "schedule": {"steps": 16, "warmup_steps": 2},
-        "engine": {"zero_stage": 1},
+        "engine": {"device": "cpu", "zero_stage": 1},
         "checkpoint": {"every_steps": 100},
         "logging": {"every_steps": 1, "image_every_steps": 8},
     }

@@ -62,7 +62,7 @@ def test_finetuning_with_label_field_on_indexed_json_labelled_shards(laion, tmp_
         "objective": {"kind": "classification"},
         "optim": {"base_lr": 1e-3},
         "schedule": {"epochs": 1, "warmup_steps": 1},  # 36 indexed samples / 8 -> 5 steps
-        "engine": {"zero_stage": 0},
+        "engine": {"device": "cpu", "zero_stage": 0},
         "checkpoint": {"every_steps": 5},
         "logging": {"every_steps": 1},
         "eval": {"every_steps": 5},

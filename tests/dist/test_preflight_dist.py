@@ -30,7 +30,7 @@ def finetune_recipe(train, run_dir) -> dict:
         },
         "objective": {"kind": "classification"},
         "schedule": {"steps": 200, "warmup_steps": 1},
-        "engine": {"zero_stage": 1},
+        "engine": {"device": "cpu", "zero_stage": 1},
         "checkpoint": {"every_steps": 1000},
         "logging": {"every_steps": 10},
     }

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
-from tests.launching import REPO, launch, losses, pretrain_recipe, read_metrics, write_recipe
+from tests.launching import REPO, assert_resume_repeats, launch, losses, pretrain_recipe, read_metrics, write_recipe
 
 pytestmark = pytest.mark.dist
 
@@ -72,25 +71,6 @@ def test_resume_gives_the_same_next_losses(zero2_run, tmp_path):
     assert first.count(hparams_metadata.SESSION_START_INFO_TAG) == 1
     assert hparams_metadata.SESSION_START_INFO_TAG not in resumed
     assert first.count("train/reconstruction") == 3 and resumed.count("train/reconstruction") == 2  # 1, 3, 6; 4, 6
-
-
-def assert_resume_repeats(run_dir, resumed, *, from_step: int, last_step: int) -> None:
-    """Copies the finished `run_dir` to `resumed` with its checkpoints after `from_step` removed, launches it again
-    and checks that steps from_step+1..last_step give the same losses."""
-    shutil.copytree(run_dir, resumed)
-    for later in range(from_step + 1, last_step + 1):
-        shutil.rmtree(resumed / "checkpoints" / f"step_{later:08d}", ignore_errors=True)
-    (resumed / "checkpoints" / "latest").write_text(f"step_{from_step:08d}")
-    (resumed / "metrics.jsonl").unlink()
-    recipe_path = resumed.with_suffix(".yaml")
-    recipe_path.write_text((run_dir / "config.yaml").read_text().replace(str(run_dir), str(resumed)))
-    proc = launch(recipe_path)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "resumed from" in proc.stdout and f"at step {from_step}" in proc.stdout
-    before, after = losses(run_dir), losses(resumed)
-    assert sorted(after) == list(range(from_step + 1, last_step + 1))
-    for step in after:
-        assert after[step] == pytest.approx(before[step], rel=1e-6, abs=1e-7), step
 
 
 def test_bad_recipe_fails_before_any_process_starts(shards, tmp_path):

@@ -32,8 +32,9 @@ pytestmark = pytest.mark.dist
 
 VIT_B_POS_EMBED = [1, 197, 768]  # cls token + 14x14 patches of 16 px at 224 px
 VIT_B_PATCH_KERNEL = [768, 3, 16, 16]
-# Per stage (about a minute on 2 idle cores); no memory kept back for others: CI runs alone.
-OPTIONS = Options(timeout=900, memory_margin_gib=0.0)
+# Per stage (about a minute on 2 idle cores); no memory kept back for others: CI runs alone. On the CPU, as CI runs
+# it, also on a GPU host (the published recipes leave engine.device at auto).
+OPTIONS = Options(timeout=900, memory_margin_gib=0.0, extra=("engine.device=cpu",))
 
 
 @pytest.fixture(scope="module")

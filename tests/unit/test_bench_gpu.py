@@ -1,0 +1,110 @@
+"""benchmarks/bench_gpu.py's CPU-side logic: the search for the largest batch that fits, driven by a fake runner
+with a known memory limit; the table rows it writes; the skip without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import bench_gpu
+from benchmarks.bench_gpu import Search, config_row, data_row, largest_batch, summarize
+
+
+def fake_runner(capacity: int):
+    """A measure() that fits batches up to `capacity` and records every batch it was asked for."""
+    asked = []
+
+    def measure(batch: int) -> dict | None:
+        asked.append(batch)
+        return {"batch": batch} if batch <= capacity else None
+
+    return measure, asked
+
+
+@pytest.mark.parametrize(
+    ("capacity", "start", "found", "asked"),
+    [
+        (100, 8, 96, [8, 16, 32, 64, 128, 96, 112, 104]),  # doubles, then bisects in steps of 8
+        (100, 256, 96, [256, 128, 64, 96, 112, 104]),  # halves while too big, then bisects
+        (5000, 64, 4096, [64, 128, 256, 512, 1024, 2048, 4096]),  # every batch up to the limit fits
+        (5, 64, 5, [64, 32, 16, 8, 4, 6, 5]),  # below the granularity: any size
+    ],
+)
+def test_largest_batch_doubles_then_bisects(capacity, start, found, asked):
+    measure, seen = fake_runner(capacity)
+    search = largest_batch(measure, start=start, limit=4096, granularity=8)
+    assert search.batch == found and search.result == {"batch": found}
+    assert seen == asked
+    assert search.tried == {batch: batch <= capacity for batch in asked}
+    assert search.first_too_big == min((b for b in asked if b > capacity), default=None)
+
+
+def test_nothing_fits():
+    measure, seen = fake_runner(0)
+    search = largest_batch(measure, start=4, limit=4096, granularity=8)
+    assert search.batch is None and search.result is None and seen == [4, 2, 1]
+
+
+RESULT = {  # 3 timed steps of 0.5 s each: 0.2 s backward, 0.1 s optimizer step
+    "step": [0.5, 0.4, 0.6],
+    "backward": [0.2, 0.2, 0.2],
+    "step_phase": [0.1, 0.1, 0.1],
+    "peak_allocated_gib": 61.04,
+    "peak_reserved_gib": 70.5,
+    "flops_per_step": 2.5e14,
+    "peak_flops": 989e12,
+}
+
+
+def test_summary_and_row_of_a_measured_configuration():
+    s = summarize(256, RESULT)
+    assert s["images_per_sec"] == pytest.approx(512.0)
+    assert s["mfu"] == pytest.approx(2.5e14 / 0.5 / 989e12)
+    assert (s["forward_ms"], s["backward_ms"], s["optimizer_ms"]) == pytest.approx((200.0, 200.0, 100.0))
+    search = Search(tried={128: True, 256: True, 512: False, 384: False}, batch=256, result=RESULT)
+    assert config_row("ViT-L/16", "bf16 eager", search) == (
+        "| ViT-L/16 | bf16 eager | 256 | 512.0 | 50.6% | 61.0 / 70.5 | 200 / 200 / 100 | 500 | out of memory at 384 |"
+    )
+
+
+def test_rows_without_mfu_without_a_fit_and_of_the_data_run():
+    unknown_peak = {**RESULT, "peak_flops": None}
+    row = config_row("ViT-B/16", "fp32 eager (control)", Search(tried={64: True}, batch=64, result=unknown_peak))
+    assert "| 64 | 128.0 | - |" in row and row.endswith("| fits at every batch tried |")
+    none = config_row("ViT-L/16", "fp32 eager (control)", Search(tried={8: False, 4: False, 2: False, 1: False}))
+    assert none == "| ViT-L/16 | fp32 eager (control) | none fits | - | - | - | - | - | out of memory at 1 |"
+    measured = {"wait": 0.031, "ips": 2150.0, "mfu": 0.41}
+    assert data_row("ViT-B/16", "bf16 compiled", 384, 10, measured) == (
+        "| ViT-B/16 | bf16 compiled | 384 | 10 | 3.1% | 2150.0 | 41.0% |"
+    )
+    failed = data_row("ViT-B/16", "bf16 eager", 384, 10, {"error": "exit code 1: boom"})
+    assert failed == "| ViT-B/16 | bf16 eager | 384 | 10 | failed: exit code 1: boom | - | - |"
+
+
+def test_without_a_gpu_it_says_why_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    out = tmp_path / "gpu.md"
+    assert bench_gpu.main(["--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("bench_gpu: skipped, no CUDA device visible to torch") and "(CUDA 13.0)" in printed
+    assert "CUDA_VISIBLE_DEVICES=''" in printed and not out.exists()
+    assert bench_gpu.main(["--skip-reason"]) == 0
+    assert capsys.readouterr().out.startswith("no CUDA device visible")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert bench_gpu.no_gpu_reason() == f"torch {torch.__version__} is built without CUDA"
+
+
+def test_with_a_gpu_there_is_no_skip_reason(monkeypatch, capsys):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench_gpu.no_gpu_reason() is None
+    assert bench_gpu.main(["--skip-reason"]) == 0 and capsys.readouterr().out == "\n"
+
+
+def test_a_failed_worker_is_a_row_saying_so():
+    err = RuntimeError("bf16 compiled failed (exit 1):\nTraceback ...\ntriton.CompilationError: a | b")
+    assert bench_gpu.failed_row("ViT-B/16", "bf16 compiled", err) == (
+        "| ViT-B/16 | bf16 compiled | failed: triton.CompilationError: a / b | - | - | - | - | - | - |"
+    )
