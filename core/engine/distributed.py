@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from core import gpus
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -36,10 +38,16 @@ def _free_port() -> int:
 
 
 def pick_device(preference: str) -> torch.device:
-    """`auto` takes CUDA when a GPU is visible, else the CPU."""
-    if preference == "cuda" and not torch.cuda.is_available():
-        raise ValueError("engine.device is 'cuda' but no CUDA device is visible")
-    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+    """`auto` takes CUDA when torch sees a GPU, else the CPU, but never the CPU on a node whose GPUs torch cannot use.
+
+    Raises:
+        ValueError: `cuda` without a GPU, or GPUs that nvidia-smi lists and torch does not see (`core.gpus`); the
+            pre-flight refuses the same before launch.sh starts any process.
+    """
+    problem = gpus.cuda_unusable(preference)
+    if problem is not None:
+        raise ValueError(f"engine.device: {problem}")
+    use_cuda = preference != "cpu" and torch.cuda.is_available()
     return torch.device("cuda") if use_cuda else torch.device("cpu")
 
 
