@@ -50,7 +50,10 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 class RNGState:
-    """The global Python, NumPy and torch (CPU and CUDA) RNGs as a `Stateful` of JSON-safe values."""
+    """The global Python, NumPy and torch RNGs as a `Stateful` of JSON-safe values: the CPU's, and the CUDA generator
+    of the GPU this rank uses (its current device), not those of every GPU the process can see: a run resumed with
+    the same world size on nodes that expose another number of GPUs each must load.
+    """
 
     def state_dict(self) -> dict:
         b64 = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
@@ -61,7 +64,7 @@ class RNGState:
             "torch": b64(torch.get_rng_state()),
         }
         if torch.cuda.is_available():
-            state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
+            state["cuda"] = b64(torch.cuda.get_rng_state())
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -72,7 +75,12 @@ class RNGState:
         np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
         torch.set_rng_state(unb64(state["torch"]))
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([unb64(s) for s in state["cuda"]])
+            cuda = state["cuda"]
+            if isinstance(cuda, list):  # checkpoints before this held every visible GPU's: take this rank's
+                device = torch.cuda.current_device()
+                cuda = cuda[device] if device < len(cuda) else None
+            if cuda is not None:
+                torch.cuda.set_rng_state(unb64(cuda))
 
 
 def _tag(step: int) -> str:
