@@ -3,12 +3,15 @@
 import base64
 import json
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from core.engine.checkpoint import RNGState, find_resume, load_states
+from core.engine.checkpoint import ConversionFiles, RNGState, find_resume, load_states
+from core.engine.failure import PeerLostError
 from core.engine.loop import TrainState
 
 TRAIN = TrainState(
@@ -153,3 +156,33 @@ def test_rng_state_of_every_visible_gpu_from_older_checkpoints_gives_this_ranks_
     before = loading.states[12].clone()
     RNGState().load_state_dict(saved)
     assert torch.equal(loading.states[12], before)
+
+
+def test_ranks_wait_for_rank_0s_conversion_while_its_heartbeat_moves(tmp_path):
+    """A conversion that outlasts the staleness limit many times over is waited for as long as the heartbeat moves."""
+    files = ConversionFiles(tmp_path)
+
+    def convert():
+        for beat in range(8):
+            files.heartbeat.write_text(str(beat))
+            time.sleep(0.1)
+        files.universal.mkdir()
+
+    rank_0 = threading.Thread(target=convert)
+    rank_0.start()
+    start = time.monotonic()
+    files.wait(stale_s=0.5, poll_s=0.02)
+    assert files.universal.is_dir() and time.monotonic() - start > 0.5
+    rank_0.join()
+
+
+def test_a_failed_or_silent_conversion_stops_the_waiting_ranks(tmp_path):
+    files = ConversionFiles(tmp_path)
+    files.heartbeat.write_text("3")
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match=f"rank 0 showed no sign of converting {tmp_path} for 0 s"):
+        files.wait(stale_s=0.3, poll_s=0.02)
+    assert 0.3 < time.monotonic() - start < 5
+    files.failed.write_text("checkpoint ... converting it to a universal checkpoint failed")
+    with pytest.raises(PeerLostError, match=f"rank 0 could not convert {tmp_path} to a universal checkpoint"):
+        files.wait(stale_s=60, poll_s=0.02)
