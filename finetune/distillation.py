@@ -52,7 +52,7 @@ class Distillation(Classification):
         with torch.no_grad():
             # In the teacher's own dtype: under fp16 the batch arrives in half, and the teacher, outside the module
             # tree DeepSpeed casts, stays fp32. load_teacher put it on the device.
-            teacher_images = images.to(next(self.teacher.parameters()).dtype)
+            teacher_images = images.to(next((p.dtype for p in self.teacher.parameters()), images.dtype))
             teacher_logits = self.teacher(teacher_images).float()  # (B, K)
         teacher_loss = distillation_loss(dist_logits, teacher_logits, kind=self.kind, tau=self.tau)
         hard_labels = labels.argmax(dim=-1) if labels.ndim == 2 else labels
