@@ -6,7 +6,8 @@
 # launch.sh starts every node (DeepSpeed's launcher, ssh).
 # --dry-run stops after printing the resolved config, the plan and the command.
 # Environment (all optional):
-#   NPROC_PER_NODE  processes per node (default: SLURM_GPUS_ON_NODE, else GPUs here, else 1; HOSTFILE: its slots)
+#   NPROC_PER_NODE  processes per node (default: the GPUs here, else 1; HOSTFILE: its slots); the GPUs here are
+#                   nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES and by the SLURM step's GPUs on this node
 #   NNODES          number of nodes (default 1; HOSTFILE: all its hosts); no elastic MIN:MAX range, see README
 #   NODE_RANK       this node's rank, 0..NNODES-1 (default 0; not used with RDZV_ENDPOINT or HOSTFILE)
 #   MASTER_ADDR     rank-0 host (default 127.0.0.1)   MASTER_PORT  its port (default 29500; one node: a free port)
@@ -15,18 +16,18 @@
 #   MAX_RESTARTS    with RDZV_ENDPOINT: restarts of every worker after a failure, resuming from `latest` (default 0)
 #   HOSTFILE        DeepSpeed hostfile (`host slots=N` lines); MASTER_ADDR defaults to its first host
 #   PYTHON          interpreter (default: .venv/bin/python beside this script, else python3)
-#   OMP_NUM_THREADS, OMP_WAIT_POLICY   CPU runs: default cores / processes, and PASSIVE (idle threads sleep)
+#   OMP_NUM_THREADS, OMP_WAIT_POLICY   default: this node's cores / processes, and PASSIVE (idle threads sleep)
 #   MIMPIPE_DEBUG   1: a failing rank prints its traceback on the console too (always in RUN_DIR/logs/rank{N}.log)
 # In a SLURM allocation (SLURM_JOB_ID set, NNODES and HOSTFILE not): `srun --ntasks-per-node=1 ./launch.sh RECIPE`.
-#   NNODES, NODE_RANK, MASTER_ADDR (first host of the job), MASTER_PORT (20000 + job id % 10000) and
-#   NPROC_PER_NODE (SLURM_GPUS_ON_NODE) come from SLURM unless set.
+#   NNODES (the step's nodes), NODE_RANK, MASTER_ADDR (first host of the step) and MASTER_PORT (20000 + job id %
+#   10000) come from SLURM unless set.
 set -euo pipefail
 
 die() { echo "launch.sh: $*" >&2; exit 2; }
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 recipe="$1"; shift
@@ -40,10 +41,10 @@ python="${PYTHON:-}"
 if [[ -z "$python" ]]; then
     if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python="python3"; fi
 fi
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-num_gpus=0
-if command -v nvidia-smi >/dev/null 2>&1; then num_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
+num_gpus="$("$python" -m core.gpus)"  # honours CUDA_VISIBLE_DEVICES and the SLURM step (core/gpus.py)
 default_nproc=$(( num_gpus > 0 ? num_gpus : 1 ))
 nnodes="${NNODES:-}"
 node_rank="${NODE_RANK:-0}"
@@ -66,14 +67,16 @@ elif [[ -n "${SLURM_JOB_ID:-}" && -z "$nnodes" ]]; then
         die "SLURM step has $SLURM_STEP_NUM_TASKS tasks on ${SLURM_STEP_NUM_NODES:-?} nodes; run one launch.sh per" \
             "node (srun --ntasks-per-node=1), it starts NPROC_PER_NODE processes itself"
     fi
-    nnodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
+    # The step's own nodes (srun -N 2 inside a 4-node job), with the job's as fallback; SLURM_NODEID is this node's
+    # place in the step, and the step's first host is node 0.
+    nnodes="${SLURM_STEP_NUM_NODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}}"
     node_rank="${NODE_RANK:-${SLURM_NODEID:-0}}"
     if [[ -z "$master_addr" && -z "${RDZV_ENDPOINT:-}" ]]; then
-        master_addr="$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | sed -n 1p)" || true
-        [[ -n "$master_addr" ]] || die "cannot read the first host of SLURM_JOB_NODELIST with scontrol; set MASTER_ADDR"
+        nodelist="${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-}}"
+        master_addr="$(scontrol show hostnames "$nodelist" 2>/dev/null | sed -n 1p)" || true
+        [[ -n "$master_addr" ]] || die "cannot read the first host of SLURM_STEP_NODELIST with scontrol; set MASTER_ADDR"
     fi
     [[ -n "$master_port" ]] || master_port=$(( 20000 + 10#$SLURM_JOB_ID % 10000 ))  # jobs sharing a host differ
-    if [[ "${SLURM_GPUS_ON_NODE:-0}" =~ ^[1-9][0-9]*$ ]]; then default_nproc="$SLURM_GPUS_ON_NODE"; fi
 fi
 nnodes="${nnodes:-1}"
 master_addr="${master_addr:-127.0.0.1}"
@@ -98,17 +101,19 @@ else
                  --launcher "torchrun, master $master_addr:$master_port")
 fi
 [[ $dry_run -eq 0 ]] || check_args+=(--dry-run)
-export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 module="$("$python" -m core.launch "${check_args[@]}")"
 
-# CPU runs: split the cores between the processes of this node.
-if [[ "$num_gpus" -eq 0 && -z "${OMP_NUM_THREADS:-}" ]]; then
+# Split this node's cores (those this launch may use) between its processes, on GPU nodes as on CPU ones: torchrun
+# would give each process 1 thread when a node runs several, which starves a GPU rank's host-side tensor work (saving and
+# converting checkpoints, anything computed on the CPU) as much as a CPU rank's compute. A rank's DataLoader
+# workers share its cores (torch runs each worker on 1 thread), and OpenMP threads that spin while they wait take the
+# time the workers need: PASSIVE makes them sleep (quickstart on 2 cores: MAE 700 -> 926 img/s, fine-tuning
+# 436 -> 462). On a GPU a rank mostly waits for the device, so its threads sleep and the workers get the cores.
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
     cores=$(nproc)
     export OMP_NUM_THREADS=$(( cores / nproc_per_node > 0 ? cores / nproc_per_node : 1 ))
 fi
-# CPU runs: the DataLoader workers share those cores, and OpenMP threads that spin while they wait take the time the
-# workers need (quickstart on 2 cores: MAE 700 -> 926 img/s, fine-tuning 436 -> 462 with PASSIVE, which sleeps).
-[[ "$num_gpus" -ne 0 ]] || export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 # glibc hands large freed buffers back to the OS, so every step page-faults fresh activations and ZeRO's flat
 # buffers back in (benchmarks/results/engine.md: ZeRO-1 1.4-1.6x a plain loop with glibc, 1.05-1.2x with
 # tcmalloc). Preload tcmalloc (Debian: libtcmalloc-minimal4) when it is installed; MIMPIPE_MALLOC=system skips it.

@@ -142,6 +142,8 @@ class EngineConfig(Section):
     """Stop after this many optimizer steps in a row skipped for a non-finite loss (checked every
     `sync_every_steps`)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when torch sees a GPU, else the CPU, but refused on a node whose GPUs torch cannot use
+    (core/gpus.py); cpu: the CPU even on a GPU node."""
     attention: Literal["auto", "sdpa", "math"] = "auto"
     """sdpa: torch's fused scaled_dot_product_attention; math: timm's explicit matmul-softmax attention; auto: sdpa
     on CUDA, math on CPU, where torch's fused kernel is slower in bf16."""

@@ -1,10 +1,11 @@
 """Pre-flight: what launch.sh checks (through core/launch.py) before any process starts, so that bad input stops
 with one line naming the recipe key and the file instead of a traceback from every rank minutes later.
 
-Checked here for every stage: `run_dir` can be created and written; every data split the stage reads resolves to
-shards, and the first sample of its first local shard has an image field (and, for fine-tuning, a label
-`data.decode.read_label` can read); a schedule in epochs has a sample count. Each stage package adds its own checks
-in `<stage module>/preflight.py` (`check(cfg, findings)`): `model.init` and `distill.teacher` for fine-tuning, the
+Checked here for every stage: `engine.device` can run here (no silent CPU fallback on a node whose GPUs torch
+cannot use); `run_dir` can be created and written; every data split the stage reads resolves to shards, and the
+first sample of its first local shard has an image field (and, for fine-tuning, a label `data.decode.read_label` can
+read); a schedule in epochs has a sample count. Each stage package adds its own checks in
+`<stage module>/preflight.py` (`check(cfg, findings)`): `model.init` and `distill.teacher` for fine-tuning, the
 tokenizer target for BEiT-style pretraining.
 
 Only the first sample of one shard per split is read. Remote shards (`http(s)://`, `s3://`, `pipe:`) are not
@@ -24,6 +25,7 @@ from pathlib import Path
 import webdataset as wds
 
 from core.config import Config, ConfigError
+from core.gpus import cuda_unusable
 from data.decode import IMAGE_FIELDS, LabelError, image_field, read_label
 from data.specs import dataset_size, describe_shards, is_mixture, resolve_shards
 
@@ -61,6 +63,7 @@ def preflight(cfg: Config, stage_module: str) -> Findings:
     """Run every check for `cfg`; `stage_module` is the package launch.sh starts (pretrain or finetune), whose
     `preflight.check` adds the stage's own checks."""
     findings = Findings()
+    check_device(cfg.engine.device, findings)
     check_run_dir(cfg.run_dir, findings)
     labels = cfg.stage == "finetune"  # pretraining reads images only
     resolved = {key: check_split(key, spec, cfg.data.label_field, labels, findings) for key, spec in shard_specs(cfg)}
@@ -154,6 +157,14 @@ def check_epochs(cfg: Config, findings: Findings) -> None:
         spec = cfg.data.train if isinstance(cfg.data.train, str) else "SPEC"
         hint = "" if "python -m data index" in str(err) else f"; `python -m data index {shlex.quote(spec)}` writes one"
         findings.fail(key, f"{describe_spec(cfg.data.train)}: {err}{hint}")
+
+
+def check_device(device: str, findings: Findings) -> None:
+    """`engine.device` can run here: `cuda` has a GPU, and `auto` does not fall back to the CPU on a node whose GPUs
+    torch cannot use (core/gpus.py)."""
+    problem = cuda_unusable(device)
+    if problem is not None:
+        findings.fail("engine.device", problem)
 
 
 def check_run_dir(run_dir: str, findings: Findings) -> None:

@@ -5,7 +5,8 @@ logits separately; in eval it returns their average (DeiT's inference). The loss
     (1 - alpha) * CE(class logits, labels) + alpha * teacher loss
 with DeiT's teacher losses: soft = KL(softmax(teacher / tau) || softmax(dist / tau)) * tau^2 (summed, divided by the
 number of logits, as DeiT does), hard = CE(dist logits, teacher argmax). alpha = 1/2 is DeiT's weighting.
-Cost: every training step also runs the teacher's forward pass (no backward), under the same autocast.
+Cost: every training step also runs the teacher's forward pass (no backward), under the same autocast (bf16); with
+`engine.precision: fp16` the teacher stays fp32 and gets the half images back in fp32.
 
 Shapes: B batch, K classes, D width, L patches.
 """
@@ -49,7 +50,10 @@ class Distillation(Classification):
         logits, dist_logits = (x.float() for x in self.model(images))  # (B, K) each
         base = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         with torch.no_grad():
-            teacher_logits = self.teacher(images).float()  # (B, K); load_teacher put it on the device
+            # In the teacher's own dtype: under fp16 the batch arrives in half, and the teacher, outside the module
+            # tree DeepSpeed casts, stays fp32. load_teacher put it on the device.
+            teacher_images = images.to(next((p.dtype for p in self.teacher.parameters()), images.dtype))
+            teacher_logits = self.teacher(teacher_images).float()  # (B, K)
         teacher_loss = distillation_loss(dist_logits, teacher_logits, kind=self.kind, tau=self.tau)
         hard_labels = labels.argmax(dim=-1) if labels.ndim == 2 else labels
         mean_logits = (logits + dist_logits) / 2

@@ -125,4 +125,7 @@ class TokenizerCodes(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         view = batch["tokenizer_image"]
         tokenizer = self.tokenizer.to(view.device)
+        # In the tokenizer's own dtype: under fp16 the batch arrives in half, and the tokenizer, outside the module
+        # tree DeepSpeed casts, stays as it was loaded (fp32).
+        view = view.to(next((p.dtype for p in tokenizer.parameters()), view.dtype))
         return tokenizer.encode(view).flatten(1)  # (B, L)

@@ -72,6 +72,24 @@ def pinned_device(recipe: Path, overrides: Sequence[str] = ()) -> str:
     return _require_pinned(device, recipe)
 
 
+def fake_nvidia_smi(bin_dir: Path, num_gpus: int, driver: str = "470.57.02") -> Path:
+    """An `nvidia-smi` in `bin_dir` (put it first on PATH) for a node with `num_gpus` H100s and driver `driver`:
+    `-L` lists them, `--query-gpu=driver_version` prints the version once per GPU. Returns `bin_dir`."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    gpus = "".join(
+        f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d}-0000-0000-0000-000000000000)\\n" for i in range(num_gpus)
+    )
+    script = bin_dir / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = "-L" ] && printf "{gpus}" && exit 0\n'
+        f'case "$*" in *--query-gpu=driver_version*) printf "{driver}\\n%.0s" $(seq {num_gpus}); exit 0;; esac\n'
+        "exit 6\n"
+    )
+    script.chmod(0o755)
+    return bin_dir
+
+
 def launch_env(nproc: int = 2, extra_env: dict | None = None, device: str = "cpu") -> dict[str, str]:
     """The environment ./launch.sh gets in the tests: `nproc` processes, a free port, this Python, one thread each,
     DeepSpeed's accelerator for `device` (DeepSpeed picks CUDA's wherever a GPU is visible, unless told)."""

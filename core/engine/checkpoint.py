@@ -17,8 +17,11 @@ import os
 import random
 import shutil
 import subprocess
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from subprocess import PIPE
 from typing import Protocol
 
 import numpy as np
@@ -26,9 +29,15 @@ import torch
 
 from core.engine import ds_compat
 from core.engine.distributed import DistInfo, barrier
+from core.engine.failure import PeerLostError
 from core.engine.fp16 import MASTER_NAMES, zero0_master_names
 
 LATEST = "latest"
+CONVERSION_HEARTBEAT_S = 10.0
+"""How often rank 0 shows the other ranks that it is still converting a checkpoint to the universal format."""
+CONVERSION_STALE_S = 300.0
+"""How long the other ranks wait on a conversion that shows no sign of life: well above a heartbeat and the attribute
+caching of a shared filesystem (NFS: up to 60 s)."""
 PER_RANK_STATES = ("rng",)
 """States that belong to the ranks that wrote them and do not carry over to another world size."""
 
@@ -50,7 +59,10 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 class RNGState:
-    """The global Python, NumPy and torch (CPU and CUDA) RNGs as a `Stateful` of JSON-safe values."""
+    """The global Python, NumPy and torch RNGs as a `Stateful` of JSON-safe values: the CPU's, and the CUDA generator
+    of the GPU this rank uses (its current device), not those of every GPU the process can see: a run resumed with
+    the same world size on nodes that expose another number of GPUs each must load.
+    """
 
     def state_dict(self) -> dict:
         b64 = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
@@ -61,7 +73,7 @@ class RNGState:
             "torch": b64(torch.get_rng_state()),
         }
         if torch.cuda.is_available():
-            state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
+            state["cuda"] = b64(torch.cuda.get_rng_state())
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -72,7 +84,12 @@ class RNGState:
         np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
         torch.set_rng_state(unb64(state["torch"]))
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([unb64(s) for s in state["cuda"]])
+            cuda = state["cuda"]
+            if isinstance(cuda, list):  # checkpoints before this held every visible GPU's: take this rank's
+                device = torch.cuda.current_device()
+                cuda = cuda[device] if device < len(cuda) else None
+            if cuda is not None:
+                torch.cuda.set_rng_state(unb64(cuda))
 
 
 def _tag(step: int) -> str:
@@ -176,19 +193,89 @@ def _elastic_resume(ckpt_dir: Path, tag: str, saved_world: int, world_size: int,
     ds_compat.check("checkpoint_files")  # before `parallelize` checks it with the others: the names matter here
     if not ds_compat.has_zero_shards(ckpt_dir / tag):  # ZeRO-0: nothing partitioned, any world size loads it
         return {**keep, "load_tag": tag, "universal": False}
-    universal = ckpt_dir / tag / "universal"
-    if rank == 0 and not universal.is_dir():
-        tmp = ckpt_dir / tag / f".universal.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        proc = subprocess.run(ds_compat.universal_command(ckpt_dir / tag, tmp), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ValueError(
-                f"checkpoint {ckpt_dir / tag} was written by {saved_world} processes, this run has {world_size}, and "
-                f"converting it to a universal checkpoint failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-            )
-        os.replace(tmp, universal)
-    barrier()
+    if not (ckpt_dir / tag / "universal").is_dir():
+        why = f"was written by {saved_world} processes, this run has {world_size}"
+        _convert_once(ckpt_dir / tag, rank, why)
     return {**keep, "load_tag": f"{tag}/universal", "universal": True}
+
+
+def _convert_once(tag_dir: Path, rank: int, why: str) -> None:
+    """Rank 0 converts `tag_dir` into `tag_dir/universal`; the other ranks wait for it outside any collective.
+
+    A conversion reads every ZeRO shard and can take far longer than the collective timeout (init_distributed's
+    `timeout_s`), so the others watch the shared run_dir instead of a barrier: rank 0 rewrites a heartbeat file every
+    `CONVERSION_HEARTBEAT_S` while DeepSpeed's converter runs, and writes a failure file when it fails. A waiting rank
+    goes on when `universal` appears, and stops (`PeerLostError`) at the failure file or a heartbeat that stood still
+    for `CONVERSION_STALE_S` (rank 0 ended without a word, e.g. its node was lost).
+    """
+    files = ConversionFiles(tag_dir)
+    if rank == 0:
+        files.heartbeat.unlink(missing_ok=True)
+        files.failed.unlink(missing_ok=True)
+    barrier()  # every rank comes here straight from start-up: from now on the files are this attempt's
+    if rank != 0:
+        files.wait()
+        return
+    tmp = tag_dir / f".universal.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    returncode, output = _run_with_heartbeat(ds_compat.universal_command(tag_dir, tmp), files.heartbeat)
+    if returncode != 0:
+        message = f"checkpoint {tag_dir} {why}, and converting it to a universal checkpoint failed:\n{output}"
+        _atomic_write(files.failed, message)
+        raise ValueError(message)
+    os.replace(tmp, files.universal)
+
+
+def _run_with_heartbeat(command: list[str], heartbeat: Path) -> tuple[int, str]:
+    """Run `command`, rewriting `heartbeat` with a new count every `CONVERSION_HEARTBEAT_S` until it ends; returns
+    its exit code and the end of its stdout and stderr."""
+    proc = subprocess.Popen(command, stdout=PIPE, stderr=PIPE, text=True)
+    beat = 0
+    while True:
+        _atomic_write(heartbeat, str(beat))
+        try:
+            stdout, stderr = proc.communicate(timeout=CONVERSION_HEARTBEAT_S)  # retrying it loses no output
+        except subprocess.TimeoutExpired:
+            beat += 1
+            continue
+        return proc.returncode, f"{stdout[-2000:]}{stderr[-2000:]}"
+
+
+@dataclass(frozen=True)
+class ConversionFiles:
+    """What rank 0's conversion of one checkpoint shows the waiting ranks, in the checkpoint's directory."""
+
+    tag_dir: Path
+
+    @property
+    def universal(self) -> Path:
+        return self.tag_dir / "universal"
+
+    @property
+    def heartbeat(self) -> Path:
+        return self.tag_dir / ".universal.heartbeat"
+
+    @property
+    def failed(self) -> Path:
+        return self.tag_dir / ".universal.failed"
+
+    def wait(self, stale_s: float = CONVERSION_STALE_S, poll_s: float = 1.0) -> None:
+        """Return once `universal` exists; raise `PeerLostError` at the failure file or a heartbeat that stood still
+        for `stale_s` (a heartbeat not yet written counts as standing still)."""
+        last_beat, last_change = None, time.monotonic()
+        while not self.universal.is_dir():
+            if self.failed.is_file():
+                raise PeerLostError(f"rank 0 could not convert {self.tag_dir} to a universal checkpoint")
+            try:
+                beat = self.heartbeat.read_text()
+            except OSError:  # not written yet, or replaced under us (a shared filesystem)
+                beat = last_beat
+            now = time.monotonic()
+            if beat != last_beat:
+                last_beat, last_change = beat, now
+            elif now - last_change > stale_s:
+                raise PeerLostError(f"rank 0 showed no sign of converting {self.tag_dir} for {stale_s:.0f} s")
+            time.sleep(poll_s)
 
 
 def load_checkpoint(engine, *, run_dir: Path, resume: dict, states: Mapping[str, Stateful]) -> None:

@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from core import gpus
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -36,10 +38,16 @@ def _free_port() -> int:
 
 
 def pick_device(preference: str) -> torch.device:
-    """`auto` takes CUDA when a GPU is visible, else the CPU."""
-    if preference == "cuda" and not torch.cuda.is_available():
-        raise ValueError("engine.device is 'cuda' but no CUDA device is visible")
-    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+    """`auto` takes CUDA when torch sees a GPU, else the CPU, but never the CPU on a node whose GPUs torch cannot use.
+
+    Raises:
+        ValueError: `cuda` without a GPU, or GPUs that nvidia-smi lists and torch does not see (`core.gpus`); the
+            pre-flight refuses the same before launch.sh starts any process.
+    """
+    problem = gpus.cuda_unusable(preference)
+    if problem is not None:
+        raise ValueError(f"engine.device: {problem}")
+    use_cuda = preference != "cpu" and torch.cuda.is_available()
     return torch.device("cuda") if use_cuda else torch.device("cpu")
 
 
@@ -50,9 +58,12 @@ def init_distributed(device_preference: str, timeout_s: int = 600) -> DistInfo:
         device_preference: `engine.device`: "auto", "cuda" or "cpu".
         timeout_s: How long any collective may wait for the other ranks before it raises: the bound on a hang when
             a rank dies without its peers' connections dropping (a lost node). gloo enforces it per operation, NCCL
-            through its watchdog. A rank that crashes on a live host fails its peers' collectives at once.
+            through its watchdog. A rank that crashes on a live host fails its peers' collectives at once. Waits
+            that can take longer (rank 0 converting a checkpoint) happen outside collectives.
     """
     device = pick_device(device_preference)
+    if device.type == "cuda":
+        nccl_error_handling()
     # DeepSpeed picks its accelerator at import time from this variable; set it before the first import.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     if "RANK" not in os.environ:
@@ -76,6 +87,19 @@ def init_distributed(device_preference: str, timeout_s: int = 600) -> DistInfo:
         # active exception", SIGABRT instead of the exit code; 5 of 19 two-rank runs here that skipped it).
         atexit.register(shutdown)
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device)
+
+
+def nccl_error_handling() -> None:
+    """Have NCCL's watchdog abort the communicators on a peer's error or a collective timeout and leave the process to
+    raise (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, "clean up only"), unless the user chose a mode.
+
+    torch's default (3) ends the process from the watchdog thread: std::terminate, a C++ stack dump and SIGABRT,
+    without the rank's one line. With 2 the error reaches the rank's Python code as an exception (DistBackendError,
+    "NCCL communicator was aborted ..."), which core/engine/failure.py reports as a rank stopped by another, as under
+    gloo. Should the abort itself hang, torch's heartbeat monitor (TORCH_NCCL_ENABLE_MONITORING) still ends the
+    process. Not run here (no GPU): tests/unit/test_failure.py checks the mapping of NCCL's errors.
+    """
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -6,8 +6,12 @@ it goes to the console), the console gets one line naming the error and the log 
 `EXIT_ERROR`.
 
 Every rank that fails on its own says so in its own line (the rank that read a bad shard may not be rank 0). A rank
-whose collective failed because another rank died first (gloo: "Connection closed by peer") prints a quieter
-`[mimpipe] rank N stopped: ...` line instead, so that the one `[mimpipe] error:` line is the cause.
+whose collective failed because another rank died first prints a quieter `[mimpipe] rank N stopped: ...` line
+instead, so that the one `[mimpipe] error:` line is the cause. That is gloo's "Connection closed by peer", any
+`DistBackendError` / `DistNetworkError`, and NCCL's ways of saying it: a remote error (`ncclRemoteError`), a
+communicator its watchdog aborted after a peer's error or a collective timeout (init_distributed has NCCL abort the
+communicators and raise in the rank rather than end the process from its watchdog thread), and `PeerLostError`, which
+our own waits outside collectives raise.
 """
 
 from __future__ import annotations
@@ -26,13 +30,27 @@ import torch.distributed as dist
 EXIT_ERROR = 1
 """Exit code of a rank that stopped on an exception (Python's own code for an uncaught one)."""
 
-# What a collective raises when a peer's connection drops (gloo, NCCL's TCP bootstrap); the peer's error is the cause.
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crash")
+# What a collective raises when a peer's connection drops (gloo, NCCL's TCP bootstrap) or NCCL gives up on a peer
+# (a remote error, a communicator aborted by the watchdog, a collective timeout); the peer's error is the cause.
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote worker crash",
+    "ncclRemoteError",
+    "NCCL communicator was aborted",
+    "Watchdog caught collective operation timeout",
+)
 # torch's DataLoader re-raises a worker's exception as "Caught X in DataLoader worker process N.\nOriginal Traceback
 # (most recent call last): ..." with the original traceback text in the message; the original message ends it.
 _WORKER_TRACEBACK = "Original Traceback (most recent call last):"
 
 _log_dir: Path | None = None
+
+
+class PeerLostError(RuntimeError):
+    """Another rank went away while this one waited for it outside a collective (e.g. for rank 0's checkpoint
+    conversion): reported as a stopped rank, since the other rank's own line is the cause."""
 
 
 def log_tracebacks_to(run_dir: str | Path) -> None:
@@ -57,7 +75,9 @@ def report(err: BaseException) -> int:
     if log_file is None or os.environ.get("MIMPIPE_DEBUG") == "1":
         print(text, file=sys.stderr, end="", flush=True)
     where = f"rank {rank}" + (f"; traceback in {log_file}" if log_file else "")
-    if peer_lost(err):
+    if isinstance(err, PeerLostError):
+        line = f"[mimpipe] rank {rank} stopped: {first_line(err)} ({where})"
+    elif peer_lost(err):
         cause = f"{type(err).__name__}: " + next((s for s in _PEER_LOST if s in str(err)), "collective failed")
         line = f"[mimpipe] rank {rank} stopped: another rank failed first ({cause}; {where})"
     else:

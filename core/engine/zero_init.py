@@ -10,6 +10,11 @@ parameters and to scatter rank 0's values back to every rank's partition (`ds_co
 (`named_apply`), so `build_partitioned` has `init_partitioned_vit` redo that under `gathered` as the last step of the
 ViT's own initialisation, before an objective's `__init__` goes on to initialise its own way (MAE re-initialises the
 encoder). Outside zero.Init, `apply` and `gathered` change nothing: the same code builds the ordinary model.
+
+zero.Init creates the parameters on the accelerator, where initialisation would draw from the device's generator
+(CUDA's Philox, not the CPU's Mersenne Twister) while the ZeRO-0/1/2 build initialises on the CPU and moves the
+weights: `_random_fills_on_cpu` has every draw of the build made on the CPU, so ZeRO-3 starts from the same weights
+on a GPU as on a CPU, where tests/dist checks that ZeRO-3 trains to ZeRO-2's losses through the same code.
 """
 
 from __future__ import annotations
@@ -66,7 +71,12 @@ def build_partitioned(build: Callable[[], nn.Module], ds_config: dict) -> tuple[
     redone: list[nn.Module] = []
     # No `dtype=`: DeepSpeed 0.19 ignores an explicit float32 on accelerators without fp16 (CPU) and picks bf16;
     # from the config it takes fp32 (our bf16 is autocast over fp32 weights) or fp16 with engine.precision fp16.
-    with deepspeed.zero.Init(config_dict_or_path=ds_config), _vit_init_redone(redone), _hybrid_probe_gathered():
+    with (
+        deepspeed.zero.Init(config_dict_or_path=ds_config),
+        _vit_init_redone(redone),
+        _hybrid_probe_gathered(),
+        _random_fills_on_cpu(),
+    ):
         objective = build()
     vits = [m for m in objective.modules() if isinstance(m, VisionTransformer)]
     if len(redone) != len(vits):
@@ -78,6 +88,40 @@ def build_partitioned(build: Callable[[], nn.Module], ds_config: dict) -> tuple[
     with torch.device("meta"):
         layout = build()
     return objective, layout
+
+
+# The in-place random fills behind torch.nn.init (kaiming/xavier uniform, normal, trunc_normal_) and timm's
+# trunc_normal_ / lecun_normal_.
+_RANDOM_FILLS = ("uniform_", "normal_")
+
+
+@contextlib.contextmanager
+def _random_fills_on_cpu():
+    """Inside the block, `Tensor.uniform_` and `Tensor.normal_` draw into a new CPU tensor of the same shape and dtype
+    (the CPU generator, as an ordinary build on the CPU draws) and copy the values into the tensor, on any device.
+
+    On a CPU tensor that is what the fill itself does (same values, same generator advance), so CPU runs take exactly
+    the path an accelerator's tensors take. fp16 at ZeRO-3 still differs: zero.Init creates fp16 parameters and the
+    draws are made in fp16, where the ordinary build draws in fp32 and casts.
+    """
+    originals = {name: getattr(torch.Tensor, name) for name in _RANDOM_FILLS}
+
+    def on_cpu(fill: Callable) -> Callable:
+        def draw(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            # device= explicitly: inside zero.Init, torch.empty defaults to the accelerator.
+            values = fill(torch.empty(self.shape, dtype=self.dtype, device="cpu"), *args, **kwargs)
+            with torch.no_grad():
+                return self.copy_(values)
+
+        return draw
+
+    for name, fill in originals.items():
+        setattr(torch.Tensor, name, on_cpu(fill))
+    try:
+        yield
+    finally:
+        for name, fill in originals.items():
+            setattr(torch.Tensor, name, fill)
 
 
 @contextlib.contextmanager

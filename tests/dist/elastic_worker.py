@@ -1,15 +1,19 @@
 """Worker for test_elastic_dist.py (run under torchrun). Phase `train`: 3 steps of a tiny MAE at ZeRO-2, checkpoint
 at step 3. Phase `resave`: resume the run dir's `latest` at this world size (through the universal checkpoint when
-the world size changed) and save it again, untouched, as step + 100."""
+the world size changed) and save it again, untouched, as step + 100; prints how long finding the resume point took
+(`rank R waited S s`). `slow=T` (after the phase): collectives time out after T seconds, and DeepSpeed's converter
+starts T + 5 seconds late, so that rank 0's conversion outlasts the collective timeout."""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from core.config import dump_config, load_config
+from core.engine import ds_compat
 from core.engine.checkpoint import find_resume, load_checkpoint, save_checkpoint
 from core.engine.distributed import init_distributed
 from core.engine.loop import TrainState
@@ -33,11 +37,22 @@ OVERRIDES = [
 ]
 
 
-def main(run_dir: Path, phase: str) -> None:
+def slow_down_conversion(delay_s: int) -> None:
+    """DeepSpeed's converter, started `delay_s` late: a checkpoint far larger than this one."""
+    command = ds_compat.universal_command
+    delayed = f'sleep {delay_s}; exec "$0" "$@"'
+    ds_compat.universal_command = lambda tag_dir, out_dir: ["sh", "-c", delayed, *command(tag_dir, out_dir)]
+
+
+def main(run_dir: Path, phase: str, collective_timeout_s: int | None) -> None:
     cfg = load_config(None, [*OVERRIDES, f"run_dir={run_dir}"])
-    dist = init_distributed("cpu")
+    if collective_timeout_s is not None:
+        slow_down_conversion(collective_timeout_s + 5)
+    dist = init_distributed("cpu", timeout_s=collective_timeout_s or 600)
     run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
     resume = None if phase == "train" else find_resume(run_dir, dist.rank, dist.world_size)
+    print(f"rank {dist.rank} waited {time.monotonic() - start:.1f} s", flush=True)
     torch.manual_seed(0)
     engine, _ = parallelize(
         objective_builder(cfg), cfg=cfg, dist=dist, run_dir=run_dir, load_universal=bool(resume and resume["universal"])
@@ -60,4 +75,5 @@ def main(run_dir: Path, phase: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    slow = [int(arg.removeprefix("slow=")) for arg in sys.argv[3:4]]
+    main(Path(sys.argv[1]), sys.argv[2], collective_timeout_s=slow[0] if slow else None)

@@ -1,9 +1,11 @@
 """Elastic resume (tests/dist/elastic_worker.py under torchrun): a ZeRO-2 checkpoint written by 2 processes is
-resumed by 1 and back by 2, and model and optimizer state survive both changes exactly."""
+resumed by 1 and back by 2, and model and optimizer state survive both changes exactly. On the way back rank 0's
+conversion outlasts the collective timeout, and rank 1 waits for it."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from core.engine.ds_compat import universal_command
 from tests.launching import torchrun
 
 pytestmark = pytest.mark.dist
+
+COLLECTIVE_TIMEOUT_S = 15  # of the run whose rank 0 converts for longer (elastic_worker.py `slow=`)
 
 
 def _universal(tag_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -34,7 +38,10 @@ def test_zero2_checkpoint_moves_from_2_to_1_process_and_back(tmp_path):
     run_dir = tmp_path / "run"
     torchrun("elastic_worker.py", run_dir, "train", nproc=2)  # step 3, world size 2
     torchrun("elastic_worker.py", run_dir, "resave", nproc=1)  # resumes step 3 (universal checkpoint), saves 103
-    torchrun("elastic_worker.py", run_dir, "resave", nproc=2)  # resumes step 103 (world size 1), saves step 203
+    # Resumes step 103 (world size 1), saves step 203; rank 0 converts for longer than a collective may wait.
+    proc = torchrun("elastic_worker.py", run_dir, "resave", f"slow={COLLECTIVE_TIMEOUT_S}", nproc=2)
+    waited = float(re.search(r"rank 1 waited ([\d.]+) s", proc.stdout).group(1))
+    assert waited > COLLECTIVE_TIMEOUT_S, proc.stdout  # a barrier would have timed out
     ckpt = run_dir / "checkpoints"
     assert (ckpt / "step_00000003" / "universal").is_dir() and (ckpt / "step_00000103" / "universal").is_dir()
     written_by_2, after_1, after_2 = (_universal(ckpt / f"step_{s:08d}") for s in (3, 103, 203))

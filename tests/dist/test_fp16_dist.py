@@ -1,4 +1,4 @@
-"""Recipes: the tiny MAE (tests/launching.py `pretrain_recipe`) and its fine-tuning (`finetune_recipe`) in
+"""Recipes: the tiny MAE (tests/launching.py `pretrain_recipe`) and its fine-tuning (`finetune_recipe`, distilled) in
 `engine.precision: fp16`, 2 gloo processes under torchrun, with fp16 allowed on this CPU by tests/dist/cpu_fp16.py."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from core.engine.export import export_model
+from core.models import build_vit, vit_model_args
 from tests.launching import REPO, finetune_recipe, pretrain_recipe, read_metrics, torchrun, write_recipe
 
 pytestmark = pytest.mark.dist
@@ -58,9 +60,20 @@ def test_fp16_trains_like_bf16_at_zero2_and_zero3_and_hands_off(zero2_run, shard
             assert metrics[0]["train/grad_norm"] == pytest.approx(bf16[1]["train/grad_norm"], rel=0.01)
         assert_exports_fp32_masters(run_dir, tmp_path)
 
+    # Fine-tuning with a distillation teacher: the teacher stays fp32 outside DeepSpeed's fp16 cast and gets the half
+    # batch back in fp32 (tests/unit/test_fp16_side_models.py checks the values).
+    torch.manual_seed(0)
+    teacher = build_vit("tiny", img_size=20, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=4)
+    export_model(teacher, tmp_path / "teacher", model_args=vit_model_args(teacher), manifest={"method": "test"})
     recipe = finetune_recipe(shards, tmp_path / "finetune", tmp_path / "zero2" / "export", precision="fp16")
+    recipe["model"] |= {"global_pool": "token"}
+    recipe["distill"] = {"kind": "soft", "teacher": str(tmp_path / "teacher")}
     recipe["optim"] |= {"ema_decay": 0.9}
     torchrun("cpu_fp16.py", "finetune", write_recipe(tmp_path / "finetune.yaml", recipe))
+    train = [m for m in read_metrics(tmp_path / "finetune") if "train/loss" in m]
+    assert len(train) == 2 and all(
+        math.isfinite(m["train/loss"]) and math.isfinite(m["train/loss_teacher"]) for m in train
+    )
     evals = [m for m in read_metrics(tmp_path / "finetune") if "val/top1" in m]
     assert [m["step"] for m in evals] == [2, 4] and all(m["val/samples"] == 203 for m in evals)
     assert all(math.isfinite(m["val/loss"]) and math.isfinite(m["val_ema/loss"]) for m in evals)

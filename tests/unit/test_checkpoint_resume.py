@@ -1,13 +1,17 @@
 """Finding the resume point (`latest`, per-rank states, another world size) and the states that come back."""
 
+import base64
 import json
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from core.engine.checkpoint import RNGState, find_resume, load_states
+from core.engine.checkpoint import ConversionFiles, RNGState, find_resume, load_states
+from core.engine.failure import PeerLostError
 from core.engine.loop import TrainState
 
 TRAIN = TrainState(
@@ -90,3 +94,95 @@ def test_rng_state_round_trips_through_json():
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     RNGState().load_state_dict(saved)
     assert (random.random(), np.random.rand(), torch.rand(())) == expected
+
+
+class _FakeCuda:
+    """torch.cuda's RNG functions for `num_devices` GPUs with `current` as this process's device: every generator's
+    state is a distinct 16-byte tensor. `get_rng_state_all` / `set_rng_state_all` behave as torch's do (one state per
+    visible GPU; a state for a GPU that is not there fails), so code that used them fails these tests."""
+
+    def __init__(self, monkeypatch, num_devices: int, current: int):
+        self.num_devices, self.current = num_devices, current
+        self.states = [torch.full((16,), 10 * current + i, dtype=torch.uint8) for i in range(num_devices)]
+        for name in ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "current_device"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: num_devices)
+
+    def _index(self, device) -> int:
+        return self.current if device in ("cuda", None) else torch.device(device).index
+
+    def current_device(self) -> int:
+        return self.current
+
+    def get_rng_state(self, device="cuda") -> torch.Tensor:
+        return self.states[self._index(device)].clone()
+
+    def set_rng_state(self, state: torch.Tensor, device="cuda") -> None:
+        self.states[self._index(device)] = state.clone()
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        return [state.clone() for state in self.states]
+
+    def set_rng_state_all(self, states) -> None:
+        for index, state in enumerate(states):
+            if index >= self.num_devices:
+                raise RuntimeError(f"Invalid device index {index}: {self.num_devices} devices")
+            self.states[index] = state.clone()
+
+
+def test_rng_state_holds_this_ranks_gpu_and_resumes_where_each_process_sees_fewer_gpus(monkeypatch):
+    """Saved by the rank on GPU 5 of a node with 8 visible GPUs; resumed (same world size) by a rank on GPU 1 of a
+    node with 4: its own generator gets the saved GPU 5 state, the other GPUs' stay as they were."""
+    saving = _FakeCuda(monkeypatch, num_devices=8, current=5)
+    saved = json.loads(json.dumps(RNGState().state_dict()))
+    assert isinstance(saved["cuda"], str)  # one generator, not a list of every visible GPU's
+    loading = _FakeCuda(monkeypatch, num_devices=4, current=1)
+    untouched = [loading.states[i].clone() for i in (0, 2, 3)]
+    RNGState().load_state_dict(saved)
+    assert torch.equal(loading.states[1], saving.states[5])
+    assert all(torch.equal(loading.states[i], state) for i, state in zip((0, 2, 3), untouched, strict=True))
+
+
+def test_rng_state_of_every_visible_gpu_from_older_checkpoints_gives_this_ranks_own(monkeypatch):
+    old = _FakeCuda(monkeypatch, num_devices=8, current=0)
+    saved = json.loads(json.dumps(RNGState().state_dict()))
+    b64 = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    saved["cuda"] = [b64(state) for state in old.states]  # the format checkpoints had before
+    loading = _FakeCuda(monkeypatch, num_devices=4, current=3)
+    RNGState().load_state_dict(saved)
+    assert torch.equal(loading.states[3], old.states[3])
+    loading = _FakeCuda(monkeypatch, num_devices=16, current=12)  # beyond the saved list: left as it is
+    before = loading.states[12].clone()
+    RNGState().load_state_dict(saved)
+    assert torch.equal(loading.states[12], before)
+
+
+def test_ranks_wait_for_rank_0s_conversion_while_its_heartbeat_moves(tmp_path):
+    """A conversion that outlasts the staleness limit many times over is waited for as long as the heartbeat moves."""
+    files = ConversionFiles(tmp_path)
+
+    def convert():
+        for beat in range(8):
+            files.heartbeat.write_text(str(beat))
+            time.sleep(0.1)
+        files.universal.mkdir()
+
+    rank_0 = threading.Thread(target=convert)
+    rank_0.start()
+    start = time.monotonic()
+    files.wait(stale_s=0.5, poll_s=0.02)
+    assert files.universal.is_dir() and time.monotonic() - start > 0.5
+    rank_0.join()
+
+
+def test_a_failed_or_silent_conversion_stops_the_waiting_ranks(tmp_path):
+    files = ConversionFiles(tmp_path)
+    files.heartbeat.write_text("3")
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match=f"rank 0 showed no sign of converting {tmp_path} for 0 s"):
+        files.wait(stale_s=0.3, poll_s=0.02)
+    assert 0.3 < time.monotonic() - start < 5
+    files.failed.write_text("checkpoint ... converting it to a universal checkpoint failed")
+    with pytest.raises(PeerLostError, match=f"rank 0 could not convert {tmp_path} to a universal checkpoint"):
+        files.wait(stale_s=60, poll_s=0.02)

@@ -3,11 +3,15 @@ one-line report of a failed torchrun run (core/torchrun.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.utils.data import DataLoader, IterableDataset
 
 from core.engine import failure
+from core.engine.distributed import nccl_error_handling
 from core.torchrun import failure_line
 from data.decode import LabelError
 
@@ -74,6 +78,59 @@ def test_a_collective_broken_by_another_rank_is_a_quiet_line(tmp_path, capsys):
         "[mimpipe] rank 1 stopped: another rank failed first (RuntimeError: Connection closed by peer; rank 1; "
         f"traceback in {tmp_path / 'logs' / 'rank1.log'})\n"
     )
+
+
+# What the ranks of a run on NCCL raise when a peer dies (messages as torch 2.x's ProcessGroupNCCL words them).
+NCCL_WATCHDOG = (
+    "NCCL communicator was aborted on rank 1. Original reason for failure was: [PG ID 0 PG GUID 0(default_pg) Rank 1] "
+    "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=2, NumelOut=2, "
+    "Timeout(ms)=600000) ran for 600045 milliseconds before timing out."
+)
+NCCL_REMOTE = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, remote process exited or there "
+    "was a network error, NCCL version 2.27.3\nncclRemoteError: A call failed possibly due to a network error or a "
+    "remote process exiting prematurely.\nLast error:\nNET/IB : Got completion from peer 10.0.0.2<53211> with status=12"
+)
+
+
+@pytest.mark.parametrize(
+    ("err", "cause"),
+    [
+        (dist.DistBackendError(NCCL_WATCHDOG), "DistBackendError: NCCL communicator was aborted"),
+        (RuntimeError(NCCL_WATCHDOG), "RuntimeError: NCCL communicator was aborted"),  # older torch: a RuntimeError
+        (RuntimeError(NCCL_REMOTE), "RuntimeError: ncclRemoteError"),
+        (
+            RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(...)"),
+            "RuntimeError: Watchdog",
+        ),
+    ],
+)
+def test_a_peer_lost_under_nccl_is_the_same_quiet_line_as_under_gloo(err, cause, tmp_path, capsys):
+    """One rank's own error and its peer's NCCL error: the job's output has one `[mimpipe] error:` line, the cause."""
+    failure.log_tracebacks_to(tmp_path)
+    assert _fail(ValueError(MESSAGE)) == failure.EXIT_ERROR  # the rank that failed on its own
+    assert _fail(err) == failure.EXIT_ERROR  # its peer, whose collective NCCL aborted
+    own, peer = capsys.readouterr().err.splitlines()
+    assert own == f"[mimpipe] error: {MESSAGE} (rank 1; traceback in {tmp_path / 'logs' / 'rank1.log'})"
+    assert peer.startswith(f"[mimpipe] rank 1 stopped: another rank failed first ({cause}")
+
+
+def test_waiting_for_a_rank_that_went_away_is_a_quiet_line(tmp_path, capsys):
+    failure.log_tracebacks_to(tmp_path)
+    assert _fail(failure.PeerLostError("rank 0 could not convert /run/checkpoints/step_00000003")) == 1
+    assert capsys.readouterr().err == (
+        "[mimpipe] rank 1 stopped: rank 0 could not convert /run/checkpoints/step_00000003 "
+        f"(rank 1; traceback in {tmp_path / 'logs' / 'rank1.log'})\n"
+    )
+
+
+def test_nccl_aborts_its_communicators_and_lets_the_rank_raise_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    nccl_error_handling()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # CleanUpOnly: no SIGABRT from the watchdog thread
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    nccl_error_handling()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
 
 
 def test_a_long_message_keeps_its_first_line():

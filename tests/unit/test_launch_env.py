@@ -1,57 +1,115 @@
-"""The environment ./launch.sh gives a CPU run's processes: the cores split between them (OMP_NUM_THREADS) and idle
-OpenMP threads that sleep (OMP_WAIT_POLICY=PASSIVE), each unless the user set it.
+"""The environment and process count ./launch.sh gives a node's processes: the cores split between them
+(OMP_NUM_THREADS) and idle OpenMP threads that sleep (OMP_WAIT_POLICY=PASSIVE), each unless the user set it, on CPU
+and GPU nodes; one process per GPU the node may use (CUDA_VISIBLE_DEVICES, the SLURM step); and the refusal to start
+on a node whose GPUs torch cannot use.
 
-PYTHON is a stand-in that runs the pre-flight (`-m core.launch`) with this interpreter and, where launch.sh would
-start torchrun, prints the variables instead."""
+PYTHON is a stand-in that runs launch.sh's own Python steps (`-m core.gpus`, `-m core.launch`) with this interpreter
+and, where launch.sh would start torchrun, prints the variables and torchrun's arguments instead. GPU nodes are a
+stand-in nvidia-smi on PATH (tests/launching.py `fake_nvidia_smi`); this machine's torch sees no GPU.
+"""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.launching import REPO, pretrain_recipe, write_recipe
+from tests.launching import REPO, fake_nvidia_smi, pretrain_recipe, write_recipe
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("nvidia-smi") is not None, reason="launch.sh sets these for CPU runs, and nvidia-smi is here"
-)
+CORES = len(os.sched_getaffinity(0))
+# Variables of the machine running the tests that would change what launch.sh derives.
+HOST_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES", "NNODES", "NODE_RANK", "NPROC_PER_NODE")
 
 
-def _launched_env(tmp_path: Path, shards, nproc: int, **env: str) -> dict[str, str]:
+def _launch(tmp_path: Path, shards, *overrides: str, gpus: int | None = None, **env: str):
+    """Run ./launch.sh on the tiny recipe with `overrides` and `env` (and a node of `gpus` fake GPUs); returns the
+    CompletedProcess."""
     python = tmp_path / "python"
     python.write_text(
         "#!/usr/bin/env bash\n"
         'if [[ "$1 $2" == "-m core.torchrun" ]]; then\n'
-        '    echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-}"; exit 0\n'
+        '    echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-}"\n'
+        '    echo "ARGS: $*"; exit 0\n'
         "fi\n"
         f'exec {sys.executable} "$@"\n'
     )
     python.chmod(0o755)
     recipe = write_recipe(tmp_path / "tiny.yaml", pretrain_recipe(shards, tmp_path / "run"))
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    proc = subprocess.run(
-        [str(REPO / "launch.sh"), str(recipe)],
+    base = {k: v for k, v in os.environ.items() if k not in HOST_VARS and not k.startswith("SLURM_")}
+    path = base["PATH"] if gpus is None else f"{fake_nvidia_smi(tmp_path / 'bin', gpus)}:{base['PATH']}"
+    return subprocess.run(
+        [str(REPO / "launch.sh"), str(recipe), *overrides],
         cwd=REPO,
-        env={**base, "PYTHON": str(python), "NPROC_PER_NODE": str(nproc), "MASTER_PORT": "29999", **env},
+        env={**base, "PATH": path, "PYTHON": str(python), "MASTER_PORT": "29999", **env},
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def _launched_env(tmp_path: Path, shards, *overrides: str, gpus: int | None = None, **env: str) -> dict[str, str]:
+    """The OpenMP variables and torchrun's `--nproc-per-node` ("NPROC") of a launch that reaches torchrun."""
+    proc = _launch(tmp_path, shards, *overrides, gpus=gpus, **env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("OMP_NUM_THREADS=")]
-    return dict(pair.split("=", 1) for pair in line.split())
+    (args,) = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("ARGS:")]
+    return {**dict(pair.split("=", 1) for pair in line.split()), "NPROC": args[args.index("--nproc-per-node") + 1]}
 
 
 def test_cpu_runs_split_the_cores_and_let_idle_openmp_threads_sleep(tmp_path, shards):
-    env = _launched_env(tmp_path, shards, nproc=1)
-    assert env == {"OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))), "OMP_WAIT_POLICY": "PASSIVE"}
-    assert _launched_env(tmp_path, shards, nproc=2)["OMP_NUM_THREADS"] == str(max(len(os.sched_getaffinity(0)) // 2, 1))
+    env = _launched_env(tmp_path, shards, NPROC_PER_NODE="1")
+    assert env == {"OMP_NUM_THREADS": str(CORES), "OMP_WAIT_POLICY": "PASSIVE", "NPROC": "1"}
+    env = _launched_env(tmp_path, shards, NPROC_PER_NODE="2")
+    assert env["OMP_NUM_THREADS"] == str(max(CORES // 2, 1))
 
 
 def test_the_users_openmp_settings_are_kept(tmp_path, shards):
-    env = _launched_env(tmp_path, shards, nproc=2, OMP_NUM_THREADS="3", OMP_WAIT_POLICY="ACTIVE")
-    assert env == {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}
+    env = _launched_env(tmp_path, shards, NPROC_PER_NODE="2", OMP_NUM_THREADS="3", OMP_WAIT_POLICY="ACTIVE")
+    assert env == {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE", "NPROC": "2"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no GPU")
+def test_gpu_nodes_run_one_process_per_visible_gpu_and_split_the_cores(tmp_path, shards):
+    # 8 GPUs, of which CUDA_VISIBLE_DEVICES shows 2; engine.device=cpu, since this torch cannot use them.
+    env = _launched_env(tmp_path, shards, "engine.device=cpu", gpus=8, CUDA_VISIBLE_DEVICES="2,3")
+    assert env == {"OMP_NUM_THREADS": str(max(CORES // 2, 1)), "OMP_WAIT_POLICY": "PASSIVE", "NPROC": "2"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no GPU")
+def test_gpus_that_torch_cannot_use_stop_the_launch_with_one_line(tmp_path, shards):
+    proc = _launch(tmp_path, shards, gpus=4)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("launch.sh: engine.device: 'auto', but nvidia-smi sees 4 GPUs (driver 470.57.02) and ")
+    assert f"torch {torch.__version__} (built for CUDA {torch.version.cuda}) cannot use them" in line
+    assert "OMP_NUM_THREADS=" not in proc.stdout  # torchrun was not started
+    assert not (tmp_path / "run").exists()
+
+
+def test_slurm_step_gives_the_nodes_master_and_gpus_per_node(tmp_path, shards):
+    """`srun -N 2 --gpus-per-node=4 ./launch.sh` on the second node of a step that runs on the last two of a job's
+    four 8-GPU nodes: the step's nodes, its first host as master, 4 processes; CUDA_VISIBLE_DEVICES narrows further."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && echo "$3" | tr , "\\n"\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_JOB_NODELIST": "gpu-1,gpu-2,gpu-3,gpu-4",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NODELIST": "gpu-3,gpu-4",
+        "SLURM_NODEID": "1",
+        "SLURM_GPUS_ON_NODE": "4",
+    }
+    proc = _launch(tmp_path, shards, "engine.device=cpu", "--dry-run", gpus=8, **slurm)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr gpu-3 --master-port 29999" in proc.stdout
+    assert "2 nodes x 4 processes per node = world size 8, this is node 1" in proc.stderr
+    proc = _launch(tmp_path, shards, "engine.device=cpu", "--dry-run", gpus=8, **slurm, CUDA_VISIBLE_DEVICES="0,1")
+    assert proc.returncode == 0 and "--nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr gpu-3" in proc.stdout

@@ -7,6 +7,7 @@ import contextlib
 
 import deepspeed
 import pytest
+import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from core.engine import zero_init
@@ -32,3 +33,29 @@ def test_build_partitioned_names_timm_when_a_vit_skipped_init_weights(monkeypatc
     monkeypatch.setattr(deepspeed.zero, "Init", lambda **kwargs: contextlib.nullcontext())
     with pytest.raises(RuntimeError, match=r"1 timm VisionTransformer\(s\) built but 0 initialised .*timm 1\."):
         zero_init.build_partitioned(lambda: build_vit("tiny", weight_init="skip", **TINY), ds_config={})
+
+
+def test_initialisation_draws_on_the_cpu_whatever_device_the_tensor_is_on(monkeypatch):
+    """Inside the block, a fill of a tensor on another device (meta stands in for the GPU, and torch.empty defaults
+    to it, as zero.Init makes it default to the accelerator) draws from the CPU generator what the same fill of a CPU
+    tensor draws; a build on the CPU gets the plain build's values and leaves the generator where it does."""
+
+    def fills(tensor: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(1)
+        tensor.uniform_(-1, 1)
+        tensor.normal_(0, 0.02)
+        return torch.rand(4)  # where the fills left the CPU generator
+
+    on_cpu = fills(torch.empty(3, 5))
+    assert not torch.equal(fills(torch.empty(3, 5, device="meta")), on_cpu)  # a plain meta fill draws nothing here
+    torch.manual_seed(0)
+    plain, plain_next = build_vit("tiny", **TINY), torch.rand(4)
+    torch.manual_seed(0)
+    with zero_init._random_fills_on_cpu():
+        redirected, redirected_next = build_vit("tiny", **TINY), torch.rand(4)
+        empty = torch.empty
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **{**k, "device": k.get("device") or "meta"}))
+        assert torch.equal(fills(torch.empty(3, 5)), on_cpu)
+    assert all(torch.equal(p, r) for p, r in zip(plain.parameters(), redirected.parameters(), strict=True))
+    assert torch.equal(plain_next, redirected_next)
+    assert "draw" not in torch.Tensor.uniform_.__qualname__  # restored
