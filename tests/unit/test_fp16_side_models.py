@@ -26,7 +26,9 @@ def _inputs_of(module: torch.nn.Module) -> list[torch.Tensor]:
 def test_beit_tokenizer_gets_its_view_in_its_own_dtype_under_fp16():
     torch.manual_seed(0)
     tokenizer = VQVAE(img_size=16, downsample=4, codebook_size=8, code_dim=4, hidden_dim=8).eval()
-    objective = MaskedPatchPrediction(tiny_vit(), TokenizerCodes(tokenizer, (4, 4))).half()  # as DeepSpeed casts it
+    objective = MaskedPatchPrediction(
+        tiny_vit(), TokenizerCodes(tokenizer, (4, 4)), num_masked=6
+    ).half()  # as DeepSpeed casts it
     mask = torch.zeros(4, 4, 4, dtype=torch.bool)
     mask.view(4, -1)[:, ::3] = True
     batch = {"image": torch.randn(4, 3, 16, 16), "tokenizer_image": torch.randn(4, 3, 16, 16), "mask": mask}

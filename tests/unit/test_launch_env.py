@@ -81,7 +81,7 @@ def test_gpu_nodes_run_one_process_per_visible_gpu_and_split_the_cores(tmp_path,
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no GPU")
 def test_gpus_that_torch_cannot_use_stop_the_launch_with_one_line(tmp_path, shards):
-    proc = _launch(tmp_path, shards, gpus=4)
+    proc = _launch(tmp_path, shards, "engine.device=auto", gpus=4)  # what a recipe leaves by default
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = proc.stderr.splitlines()
     assert line.startswith("launch.sh: engine.device: 'auto', but nvidia-smi sees 4 GPUs (driver 470.57.02) and ")
