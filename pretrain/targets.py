@@ -124,8 +124,10 @@ class TokenizerCodes(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         view = batch["tokenizer_image"]
-        tokenizer = self.tokenizer.to(view.device)
+        tokenizer, first = self.tokenizer, next(self.tokenizer.parameters(), None)
+        if first is not None and first.device != view.device:  # moved once; the FLOP count's fake copy never is
+            tokenizer = tokenizer.to(view.device)
         # In the tokenizer's own dtype: under fp16 the batch arrives in half, and the tokenizer, outside the module
         # tree DeepSpeed casts, stays as it was loaded (fp32).
-        view = view.to(next((p.dtype for p in tokenizer.parameters()), view.dtype))
+        view = view.to(first.dtype if first is not None else view.dtype)
         return tokenizer.encode(view).flatten(1)  # (B, L)

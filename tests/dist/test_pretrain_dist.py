@@ -129,7 +129,10 @@ def test_dry_run_prints_config_and_torchrun_command(shards, tmp_path):
 
 
 def test_zero0_and_zero2_give_the_same_losses_and_grad_norms(zero2_run, shards, tmp_path):
-    """The grad norm is measured by the optimizer on logging steps: ZeRO-2 partitions must sum to ZeRO-0's norm."""
+    """The grad norm is measured by the optimizer on logging steps: ZeRO-2 partitions must sum to ZeRO-0's norm.
+    ZeRO-2 reduces the Linear layers' gradients in bf16 (`engine.grad_reduce_dtype`), ZeRO-0 in fp32, so they agree
+    to bf16's rounding of each rank's gradient (2^-9), not bit for bit (tests/dist/test_zero_init_dist.py compares
+    the stages exactly in fp32); a missing partition would move the norm by ~30%."""
     run_dir, _ = zero2_run
     recipe = pretrain_recipe(shards, tmp_path / "run", engine={"zero_stage": 0})
     proc = launch(write_recipe(tmp_path / "tiny_mae_zero0.yaml", recipe))
@@ -140,6 +143,6 @@ def test_zero0_and_zero2_give_the_same_losses_and_grad_norms(zero2_run, shards, 
 
     assert len(norms(run_dir)) == 6 and all(n > 0 for n in norms(run_dir))
     for a, b in zip(norms(tmp_path / "run"), norms(run_dir), strict=True):
-        assert math.isclose(a, b, rel_tol=1e-5)
+        assert math.isclose(a, b, rel_tol=2e-3), (norms(tmp_path / "run"), norms(run_dir))
     for step, loss in losses(tmp_path / "run").items():
-        assert math.isclose(loss, losses(run_dir)[step], rel_tol=1e-5)
+        assert math.isclose(loss, losses(run_dir)[step], rel_tol=2e-3), (losses(tmp_path / "run"), losses(run_dir))
