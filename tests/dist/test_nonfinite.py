@@ -12,7 +12,8 @@ from tests.launching import read_metrics, torchrun
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize(("zero_stage", "precision"), [(0, "fp32"), (2, "fp32"), (0, "fp16")])
+# ZeRO-2 in fp32 is the next test's, with the host reading the agreement every 4 steps instead of every step.
+@pytest.mark.parametrize(("zero_stage", "precision"), [(0, "fp32"), (0, "fp16")])
 def test_nonfinite_loss_skips_update_on_every_rank_then_stops(tmp_path, zero_stage, precision):
     torchrun("nonfinite_worker.py", tmp_path, zero_stage, precision, 1)
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
