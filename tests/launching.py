@@ -90,6 +90,20 @@ def fake_nvidia_smi(bin_dir: Path, num_gpus: int, driver: str = "470.57.02") -> 
     return bin_dir
 
 
+def fake_scontrol(bin_dir: Path, hostnames: dict[str, list[str]]) -> Path:
+    """An `scontrol` in `bin_dir` (put it first on PATH) whose `show hostnames NODELIST` prints the hosts
+    `hostnames[NODELIST]` lists, one per line (any other call fails). Returns `bin_dir`."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f'[ "$*" = "show hostnames {nodelist}" ] && printf "%s\\n" {" ".join(hosts)} && exit 0'
+        for nodelist, hosts in hostnames.items()
+    ]
+    script = bin_dir / "scontrol"
+    script.write_text("#!/bin/sh\n" + "\n".join(lines) + "\nexit 1\n")
+    script.chmod(0o755)
+    return bin_dir
+
+
 def launch_env(nproc: int = 2, extra_env: dict | None = None, device: str = "cpu") -> dict[str, str]:
     """The environment ./launch.sh gets in the tests: `nproc` processes, a free port, this Python, one thread each,
     DeepSpeed's accelerator for `device` (DeepSpeed picks CUDA's wherever a GPU is visible, unless told)."""

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import timm
 
-from tests.launching import REPO, free_port, losses, pretrain_recipe, write_recipe
+from tests.launching import REPO, fake_scontrol, free_port, losses, pretrain_recipe, write_recipe
 
 pytestmark = pytest.mark.dist
 
@@ -231,12 +231,7 @@ def dry_run(recipe: Path, path_prefix: Path | None = None, **values: str) -> sub
 def test_slurm_allocation_sets_nodes_rank_and_master(shards, tmp_path):
     """`srun ./launch.sh` on the second node of a two-node job: everything comes from SLURM and scontrol."""
     recipe = tiny_recipe(shards, tmp_path)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(
-        '#!/bin/sh\n[ "$*" = "show hostnames gpu-[07-08]" ] && printf "gpu-07\\ngpu-08\\n"\n'
-    )
-    (bin_dir / "scontrol").chmod(0o755)
+    bin_dir = fake_scontrol(tmp_path / "bin", {"gpu-[07-08]": ["gpu-07", "gpu-08"]})
     slurm = {
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NUM_NODES": "2",

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launching import REPO, fake_nvidia_smi, pretrain_recipe, write_recipe
+from tests.launching import REPO, fake_nvidia_smi, fake_scontrol, pretrain_recipe, write_recipe
 
 CORES = len(os.sched_getaffinity(0))
 # Variables of the machine running the tests that would change what launch.sh derives.
@@ -93,10 +93,7 @@ def test_gpus_that_torch_cannot_use_stop_the_launch_with_one_line(tmp_path, shar
 def test_slurm_step_gives_the_nodes_master_and_gpus_per_node(tmp_path, shards):
     """`srun -N 2 --gpus-per-node=4 ./launch.sh` on the second node of a step that runs on the last two of a job's
     four 8-GPU nodes: the step's nodes, its first host as master, 4 processes; CUDA_VISIBLE_DEVICES narrows further."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && echo "$3" | tr , "\\n"\n')
-    (bin_dir / "scontrol").chmod(0o755)
+    fake_scontrol(tmp_path / "bin", {"gpu-3,gpu-4": ["gpu-3", "gpu-4"]})  # _launch's fake nvidia-smi goes beside it
     slurm = {
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NUM_NODES": "4",
