@@ -7,7 +7,7 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 # torch/torchvision are pinned here (not in pyproject) to the build this machine serves from its own disk.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install quickstart quickstart-beit quickstart-data test test-unit test-dist lint format bench bench-memory \
+.PHONY: install quickstart quickstart-beit quickstart-data test test-faults test-unit test-dist lint format bench bench-memory \
 	bench-data smoke-recipes encoders-table bench-quality gpu-check
 
 $(PY):
@@ -64,7 +64,12 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # CI's suite, also on a GPU host: tests/gpu (marked gpu) is `make gpu-check`'s.
 test: install
-	$(PYTEST) -m "not slow and not gpu" --durations=15
+	$(PYTEST) -m "not slow and not gpu and not faults" --durations=15
+
+# The fault matrix's slow cases (docs/faults.md): real runs killed, stalled or filled up on purpose. .ci/run runs it
+# after `make test`.
+test-faults: install
+	$(PYTEST) -m "faults and not gpu" --durations=10
 
 test-unit: install
 	$(PYTEST) tests/unit
