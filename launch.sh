@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Launch a recipe:  ./launch.sh RECIPE [section.key=value ...] [--dry-run]
+# Launch a recipe:  ./launch.sh RECIPE [section.key=value ...] [--dry-run] [--allow-config-change]
 #
 # Run one launch.sh per node: it checks the recipe, the batch split and the files the recipe names (a problem is one
 # line and exit code 2), prints the plan, then starts torchrun, which spawns this node's processes. With HOSTFILE, one
 # launch.sh starts every node (DeepSpeed's launcher, ssh).
 # --dry-run stops after printing the resolved config, the plan and the command.
+# A run_dir is one run (docs/run_dir.md): relaunching into one whose latest checkpoint another config wrote is refused
+# (run_dir=NEW_DIR starts a new run; --allow-config-change continues that one with this config), and relaunching a
+# finished run with the same schedule does nothing (exit 0).
 # Environment (all optional):
 #   NPROC_PER_NODE  processes per node (default: the GPUs here, else 1; HOSTFILE: its slots); the GPUs here are
 #                   nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES and by the SLURM step's GPUs on this node
@@ -27,7 +30,7 @@ die() { echo "launch.sh: $*" >&2; exit 2; }
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 recipe="$1"; shift
@@ -36,6 +39,8 @@ overrides=()
 for arg in "$@"; do
     if [[ "$arg" == "--dry-run" ]]; then dry_run=1; else overrides+=("$arg"); fi
 done
+# --allow-config-change stays among the arguments: the pre-flight and every rank get it (through torchrun, or the
+# DeepSpeed launcher over ssh, whatever the environment they pass on).
 
 python="${PYTHON:-}"
 if [[ -z "$python" ]]; then
@@ -102,6 +107,7 @@ else
 fi
 [[ $dry_run -eq 0 ]] || check_args+=(--dry-run)
 module="$("$python" -m core.launch "${check_args[@]}")"
+[[ -n "$module" ]] || exit 0  # the run in run_dir finished this schedule: core.launch said so, nothing to start
 
 # Split this node's cores (those this launch may use) between its processes, on GPU nodes as on CPU ones: torchrun
 # would give each process 1 thread when a node runs several, which starves a GPU rank's host-side tensor work (saving and

@@ -1,7 +1,8 @@
 """Pre-launch check used by launch.sh: validate the recipe, the launch topology and the batch split for the world
 size the launch will have, and pre-flight the recipe's files (core/preflight.py), before any process starts; print
 the plan (stderr; with --dry-run also the resolved config) and the module to run (stdout, the only thing launch.sh
-reads). Every problem is one line on stderr, `launch.sh: KEY: ...`, and exit code 2.
+reads). Every problem is one line on stderr, `launch.sh: KEY: ...`, and exit code 2. A run_dir whose run already
+finished this schedule prints nothing on stdout and exits 0: launch.sh then starts nothing (core/rundir.py).
 
 The world size is nodes x processes per node, or, for a DeepSpeed hostfile, the sum of the processes on the hosts
 used. Errors name the environment variable launch.sh took the value from.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from core.config import ConfigError, dump_config, load_config
 from core.preflight import preflight
+from core.rundir import ALLOW_FLAG
 
 # The module launch.sh runs for each `stage` (the tokenizer is trained by the pretraining entry point).
 STAGE_MODULES = {"pretrain": "pretrain", "tokenizer": "pretrain", "finetune": "finetune"}
@@ -130,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hostfile", help="DeepSpeed hostfile: nodes and processes come from its `slots=`")
     parser.add_argument("--launcher", default="torchrun", help="how the processes meet, for the plan")
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument(ALLOW_FLAG, action="store_true", help="resume run_dir even if its checkpoint's config differs")
     args = parser.parse_args(argv)
     try:
         topo = topology(args)
@@ -139,11 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch.sh: {err}", file=sys.stderr)
         return 2
     module = STAGE_MODULES[cfg.stage]
-    findings = preflight(cfg, module)
+    findings = preflight(cfg, module, world_size=topo.world_size, allow_change=args.allow_config_change)
     for problem in findings.problems:
         print(f"launch.sh: {problem.line()}", file=sys.stderr)
     if findings.problems:
         return 2
+    for note in findings.relaunch.notes(cfg.run_dir):
+        print(f"[mimpipe] {note}", file=sys.stderr)
+    if findings.relaunch.finished:
+        return 0  # nothing on stdout: launch.sh starts no process
     if args.dry_run:
         print(dump_config(cfg), file=sys.stderr)
     print(

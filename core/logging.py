@@ -1,9 +1,14 @@
 """Rank-0 run logging: TensorBoard under `run_dir/tb`, the same scalars in `run_dir/metrics.jsonl`, and console
-progress. Every other rank gets a logger whose methods do nothing, so call sites need no rank checks."""
+progress. Every other rank gets a logger whose methods do nothing, so call sites need no rank checks.
+
+A resumed run logs each step once: what the interrupted run logged after the checkpoint's step is dropped from
+metrics.jsonl (rewritten atomically before anything is appended) and from TensorBoard (`purge_step`: TensorBoard
+discards the earlier events from that step on when it reads the new event file's start marker)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,9 +17,26 @@ import torch
 
 
 class MetricsLogger:
-    """Writes scalars, images, histograms, hparams and text for one run; inert unless `enabled` (rank 0)."""
+    """Writes scalars, images, histograms, hparams and text for one run; inert unless `enabled` (rank 0).
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool = True, total_steps: int = 0):
+    Args:
+        run_dir: Where metrics.jsonl and tb/ go.
+        enabled: Whether this process logs (rank 0).
+        tensorboard: Also write TensorBoard events.
+        total_steps: The schedule's length, for the console's ETA.
+        resume_step: The step of the checkpoint a resumed run starts from: what was logged after it is dropped
+            (see the module docstring). None for a fresh run.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        tensorboard: bool = True,
+        total_steps: int = 0,
+        resume_step: int | None = None,
+    ):
         self.enabled = enabled
         self.total_steps = total_steps
         self._writer = None
@@ -24,11 +46,14 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            cut_metrics(run_dir / "metrics.jsonl", resume_step)
         self._jsonl = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115  (closed in close())
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(run_dir / "tb"))
+            purge = None if resume_step is None else resume_step + 1
+            self._writer = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge)
 
     def mark_start(self, step: int) -> None:
         """Restart the ETA clock (after resume, or after the first step's warm-up)."""
@@ -123,6 +148,28 @@ _CONSOLE_KEYS = (
     "train/codes_used",
     "train/skipped_steps",
 )
+
+
+def cut_metrics(path: Path, last_step: int) -> int:
+    """Drop the lines of metrics.jsonl logged after `last_step`, atomically (a temporary file replaces it); a line
+    that is not JSON (a write cut short by a kill) is dropped too. Returns how many lines were dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            keep = json.loads(line)["step"] <= last_step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return dropped
 
 
 def flat_hparams(config: dict, prefix: str = "") -> dict[str, float | int | str]:

@@ -4,9 +4,14 @@ with one line naming the recipe key and the file instead of a traceback from eve
 Checked here for every stage: `engine.device` can run here (no silent CPU fallback on a node whose GPUs torch
 cannot use); `run_dir` can be created and written; every data split the stage reads resolves to shards, and the
 first sample of its first local shard has an image field (and, for fine-tuning, a label `data.decode.read_label` can
-read); a schedule in epochs has a sample count. Each stage package adds its own checks in
-`<stage module>/preflight.py` (`check(cfg, findings)`): `model.init` and `distill.teacher` for fine-tuning, the
-tokenizer target for BEiT-style pretraining.
+read); a schedule in epochs has a sample count; an evaluation split has a shard for every rank (each rank reads its
+own, `make_eval_loader`); the filesystem of `run_dir` has room for the checkpoints kept (core/disk.py); a relaunch
+into a run_dir whose latest checkpoint another config wrote is refused, and one into a finished run is found
+(core/rundir.py).
+Each stage package adds its own checks in `<stage module>/preflight.py`: `check(cfg, findings, world_size)`
+(`model.init`, `distill.teacher` and the labels' range for fine-tuning, the tokenizer target and the kNN sets for
+pretraining), `resolve(cfg)` (what the entry point completes before comparing configs) and `trained_module(cfg)`
+(what a checkpoint holds, built on the meta device for the space estimate).
 
 Only the first sample of one shard per split is read. Remote shards (`http(s)://`, `s3://`, `pipe:`) are not
 opened: that would mean a download or running a command at launch; they fail inside the ranks, naming the shard.
@@ -22,10 +27,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import webdataset as wds
 
 from core.config import Config, ConfigError
+from core.disk import checkpoint_bytes, describe_bytes, folder_bytes, free_bytes
 from core.gpus import cuda_unusable
+from core.rundir import Relaunch, latest_checkpoint, relaunch
 from data.decode import IMAGE_FIELDS, LabelError, image_field, read_label
 from data.specs import dataset_size, describe_shards, is_mixture, resolve_shards
 
@@ -48,6 +56,8 @@ class Findings:
 
     problems: list[Problem] = field(default_factory=list)
     passed: list[str] = field(default_factory=list)
+    relaunch: Relaunch = field(default_factory=Relaunch)
+    """What launching into run_dir does: a fresh run, a resume (with the settings it changes), or nothing (finished)."""
 
     def fail(self, key: str, message: str, file: str | Path | None = None) -> None:
         """Record a problem with `key`; `file` is put in front of the message unless the message names it."""
@@ -59,37 +69,59 @@ class Findings:
         self.passed.append(note)
 
 
-def preflight(cfg: Config, stage_module: str) -> Findings:
-    """Run every check for `cfg`; `stage_module` is the package launch.sh starts (pretrain or finetune), whose
-    `preflight.check` adds the stage's own checks."""
+def preflight(cfg: Config, stage_module: str, *, world_size: int = 1, allow_change: bool = False) -> Findings:
+    """Run every check for `cfg`.
+
+    Args:
+        cfg: The launch's config.
+        stage_module: The package launch.sh starts (pretrain or finetune), whose `preflight` module adds the stage's
+            own checks.
+        world_size: Processes the launch will have.
+        allow_change: `--allow-config-change` was passed (see core/rundir.py).
+    """
     findings = Findings()
+    stage = importlib.import_module(f"{stage_module}.preflight")
     check_device(cfg.engine.device, findings)
     check_run_dir(cfg.run_dir, findings)
     labels = cfg.stage == "finetune"  # pretraining reads images only
-    resolved = {key: check_split(key, spec, cfg.data.label_field, labels, findings) for key, spec in shard_specs(cfg)}
+    resolved = {
+        key: check_split(key, spec, cfg.data.label_field, labels, findings, num_ranks=world_size if is_eval else 1)
+        for key, spec, is_eval in shard_specs(cfg)
+    }
     if all(ok for key, ok in resolved.items() if key.startswith("data.train")):
         check_epochs(cfg, findings)
-    importlib.import_module(f"{stage_module}.preflight").check(cfg, findings)
+    stage.check(cfg, findings, world_size)
+    if not findings.problems:  # the estimate builds the model, which needs a recipe whose files are right
+        check_disk(cfg, stage.trained_module, findings)
+    findings.relaunch = check_relaunch(cfg, stage.resolve, findings, allow_change=allow_change)
     return findings
 
 
-def shard_specs(cfg: Config) -> list[tuple[str, str | list[str]]]:
-    """(recipe key, shard spec) of every data split the stage reads: `data.train`, and `data.val` for fine-tuning
-    (the only stage that evaluates). The one place that knows where splits live in the recipe."""
+def shard_specs(cfg: Config) -> list[tuple[str, str | list[str], bool]]:
+    """(recipe key, shard spec, whether every rank evaluates on its own shards of it) of every data split the stage
+    reads: `data.train`, and `data.val` for fine-tuning (the only stage that evaluates on it; the kNN monitor's sets
+    are pretrain/preflight.py's). The one place that knows where splits live in the recipe."""
     if cfg.data.is_mixture:
-        specs = [(f"data.train[{i}].shards", source.shards) for i, source in enumerate(cfg.data.train)]
+        specs = [(f"data.train[{i}].shards", source.shards, False) for i, source in enumerate(cfg.data.train)]
     else:
-        specs = [("data.train", cfg.data.train)]
+        specs = [("data.train", cfg.data.train, False)]
     if cfg.stage == "finetune" and cfg.data.val:
-        specs.append(("data.val", cfg.data.val))
+        specs.append(("data.val", cfg.data.val, True))
     return specs
 
 
 def check_split(
-    key: str, spec: str | list[str], label_field: str | None, needs_label: bool, findings: Findings
+    key: str,
+    spec: str | list[str],
+    label_field: str | None,
+    needs_label: bool,
+    findings: Findings,
+    *,
+    num_ranks: int = 1,
 ) -> bool:
-    """The split resolves to shards, and the first sample of its first local shard holding one has an image field
-    and, when `needs_label`, a readable label. Returns whether the shards resolved."""
+    """The split resolves to shards, at least `num_ranks` of them (an evaluation split: every rank reads its own), and
+    the first sample of its first local shard holding one has an image field and, when `needs_label`, a readable
+    label. Returns whether the shards resolved."""
     if not spec:
         findings.fail(key, "not set: give a shard directory, a brace pattern, a glob or a list of shards")
         return False
@@ -98,6 +130,14 @@ def check_split(
     except (ValueError, OSError) as err:  # a missing shard or index, an unreadable index.json
         findings.fail(key, str(err), file=describe_spec(spec))
         return False
+    if len(shards) < num_ranks:
+        findings.fail(
+            key,
+            f"{len(shards)} shards for {num_ranks} ranks: evaluation gives every rank shards of its own (at least 1 "
+            "each); write the split in smaller shards (python -m data write --shard-size) or launch fewer processes",
+            file=describe_spec(spec),
+        )
+        return True
     local = [shard for shard in shards if os.path.isfile(shard)]  # resolve_shards checked that every local one exists
     if not local:
         findings.ok(f"{key}: {len(shards)} remote shards, not opened")
@@ -190,3 +230,57 @@ def describe_spec(spec: str | list[str]) -> str:
     if is_mixture(spec):
         return "; ".join(describe_spec(source.shards) for source in spec)
     return describe_shards(spec)
+
+
+def check_disk(cfg: Config, trained_module, findings: Findings) -> None:
+    """The filesystem of `run_dir` has room for `checkpoint.keep_last + 1` checkpoints (the peak while saving; see
+    core/disk.py) less those already there. One checkpoint's size is the latest one's in run_dir, else the estimate
+    from `trained_module(cfg)` built on the meta device."""
+    ckpt_dir = Path(cfg.run_dir) / "checkpoints"
+    saved = [p for p in ckpt_dir.glob("step_*") if p.is_dir()] if ckpt_dir.is_dir() else []
+    latest = latest_checkpoint(cfg.run_dir)
+    if latest is not None and (ckpt_dir / latest.tag).is_dir():
+        size, how = folder_bytes(ckpt_dir / latest.tag), f"as checkpoints/{latest.tag}"
+    else:
+        try:
+            with torch.device("meta"):
+                module = trained_module(cfg)
+        except (ValueError, OSError, KeyError) as err:  # e.g. no class count: the stage's check says why
+            findings.ok(f"run_dir: free space not estimated ({err})")
+            return
+        size = checkpoint_bytes(module, cfg.optim.kind) * (2 if cfg.optim.ema_decay else 1)  # the EMA: a 2nd copy
+        how = f"estimated from {sum(p.numel() for p in module.parameters()) / 1e6:.1f}M parameters"
+    count = max(1, cfg.checkpoint.keep_last + 1 - len(saved))
+    free, where = free_bytes(cfg.run_dir)
+    needed = f"{count} checkpoint{'s' if count > 1 else ''} of about {describe_bytes(size)} each ({how})"
+    if free < count * size:
+        findings.fail(
+            "run_dir",
+            f"{describe_bytes(free)} free on the filesystem of {where}, the run needs room for {needed}: "
+            f"checkpoint.keep_last {cfg.checkpoint.keep_last} + 1 while saving; free space or set run_dir elsewhere",
+            file=cfg.run_dir,
+        )
+        return
+    findings.ok(f"run_dir: {describe_bytes(free)} free for {needed}")
+
+
+def check_relaunch(cfg: Config, resolve, findings: Findings, *, allow_change: bool) -> Relaunch:
+    """A launch into a run_dir that holds a checkpoint (core/rundir.py): refused when another config wrote it (unless
+    `allow_change`); found finished when it reached this schedule's end. `resolve` completes the config as the entry
+    point will before comparing it."""
+    if latest_checkpoint(cfg.run_dir) is None:
+        return Relaunch()
+    resolved = cfg.model_copy(deep=True)
+    try:
+        resolve(resolved)
+    except ValueError:  # model.init unreadable: its own check says so
+        return Relaunch()
+    try:
+        total_steps, _ = resolved.steps(resolved.data.samples_per_epoch or dataset_size(resolved.data.train))
+    except (ConfigError, ValueError, OSError):  # the data checks say why; without a length the run is not finished
+        total_steps = None
+    verdict = relaunch(resolved, total_steps, allow_change=allow_change)
+    refusal = verdict.refusal(cfg.run_dir)
+    if refusal is not None:
+        findings.fail("run_dir", refusal)
+    return verdict

@@ -13,7 +13,6 @@ from functools import partial
 
 import torch
 
-from core.config import Config
 from core.engine.failure import run_guarded
 from core.engine.loop import LoopHooks
 from core.engine.run import finish_stage, run_loop, seed_everything, start_engine, start_stage
@@ -25,7 +24,7 @@ from data.transforms import eval_transform, finetune_train_transform
 from finetune.best import BestExport
 from finetune.classification import Classification
 from finetune.distillation import Distillation, to_distilled
-from finetune.handoff import load_encoder, read_pooling_hint
+from finetune.handoff import load_encoder, resolve_global_pool
 from finetune.probe_ema import WeightEMA, make_linear_probe
 from finetune.teacher import load_teacher
 
@@ -83,15 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         best.export(run.state.step, {})
     finish_stage(run)
     return 0
-
-
-def resolve_global_pool(cfg: Config) -> None:
-    """`model.global_pool: auto` becomes the pooling the `model.init` checkpoint was trained with, else "token"
-    (a distilled student always pools by token)."""
-    if cfg.model.global_pool == "auto":
-        init, trust = cfg.model.init, cfg.model.trust_checkpoint
-        hint = read_pooling_hint(init, trust_checkpoint=trust) if init and cfg.distill.kind == "none" else None
-        cfg.model.global_pool = hint or "token"
 
 
 def update_ema(engine, step: int, applied: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ import torch
 from timm.layers import resample_abs_pos_embed, resample_patch_embed, to_2tuple
 from timm.models import VisionTransformer
 
+from core.config import Config
 from core.models import sincos_pos_embed_2d
 from core.t2t_vit import T2TViT, soft_split_grid
 from core.vt import VTResNet
@@ -189,6 +190,15 @@ def read_pooling_hint(path: str | Path, *, trust_checkpoint: bool = False) -> st
         return hint
     keys = checkpoint_keys(path, trust=trust_checkpoint)
     return "avg" if has_module(keys, "fc_norm") and not has_module(keys, "norm") else None
+
+
+def resolve_global_pool(cfg: Config) -> None:
+    """`model.global_pool: auto` becomes the pooling the `model.init` checkpoint was trained with, else "token"
+    (a distilled student always pools by token)."""
+    if cfg.model.global_pool == "auto":
+        init, trust = cfg.model.init, cfg.model.trust_checkpoint
+        hint = read_pooling_hint(init, trust_checkpoint=trust) if init and cfg.distill.kind == "none" else None
+        cfg.model.global_pool = hint or "token"
 
 
 def _check_options(model: VisionTransformer, head_init: str, head_init_std: float, pos_embed_resize: str) -> None:

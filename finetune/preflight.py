@@ -1,5 +1,6 @@
 """Fine-tuning's launch-time checks (run by core/preflight.py before any process starts): `model.init` opens, its
-format is detected and it fits the recipe's model; `distill.teacher` opens; the number of classes is known.
+format is detected and it fits the recipe's model; `distill.teacher` opens; the number of classes is known and every
+split's labels are below it.
 
 `model.init` is fitted as `load_encoder` would (`finetune.handoff.fit_problems`) without reading weights: a
 safetensors file's header gives the shapes, and the recipe's model is built on the meta device, so even a ViT-H
@@ -8,23 +9,63 @@ costs no memory. A pickle has no header and is loaded (memory-mapped when torch 
 
 from __future__ import annotations
 
+import itertools
+import os
+
 import torch
+from torch import nn
 
 from core.config import Config
 from core.models import build_model
-from core.preflight import Findings, describe_spec
-from data.specs import dataset_classes
+from core.preflight import Findings, describe_spec, shard_specs
+from data.decode import image_field, read_label
+from data.index import shard_samples
+from data.specs import dataset_classes, resolve_shards
+from data.write import INDEX_FILE, read_index
 from finetune.checkpoints import read_checkpoint
-from finetune.handoff import PATCH_KERNEL, fit_problems
+from finetune.handoff import PATCH_KERNEL, fit_problems, resolve_global_pool
+from finetune.probe_ema import make_linear_probe
 from finetune.teacher import teacher_is_folder
 
+LABEL_SAMPLES = 64
+"""Samples read from the first shard of a split without an index.json to find its highest label."""
 
-def check(cfg: Config, findings: Findings) -> None:
+
+def check(cfg: Config, findings: Findings, world_size: int) -> None:
+    """`model.init`, `distill.teacher`, the class count and the labels' range (data.val's shards per rank are
+    core/preflight.py's)."""
     if cfg.model.init:
         check_init(cfg, findings)
     if cfg.distill.kind != "none":
         check_teacher(cfg, findings)
     check_num_classes(cfg, findings)
+    if not findings.problems:
+        check_label_range(cfg, findings)
+
+
+def trained_module(cfg: Config) -> nn.Module:
+    """The classifier a checkpoint of this recipe holds (its EMA is counted by the caller; a distillation teacher,
+    frozen and usually of the student's size, is left out), for the free-space estimate; the caller builds it on
+    the meta device.
+
+    Raises:
+        ValueError: The class count is unknown (`check_num_classes` says so).
+    """
+    num_classes = cfg.model.num_classes or len(dataset_classes(cfg.data.train))
+    if not num_classes:
+        raise ValueError("model.num_classes unknown")
+    model = build_model(cfg, num_classes=num_classes, plain=cfg.distill.kind == "none")
+    return make_linear_probe(model) if cfg.objective.mode == "linear_probe" else model
+
+
+def resolve(cfg: Config) -> None:
+    """Complete `cfg` as the entry point does before it compares it with a checkpoint's (`model.global_pool: auto`
+    from `model.init`'s hint).
+
+    Raises:
+        ValueError: `model.init` cannot be read (`check_init` reports it).
+    """
+    resolve_global_pool(cfg)
 
 
 def check_init(cfg: Config, findings: Findings) -> None:
@@ -76,6 +117,47 @@ def check_num_classes(cfg: Config, findings: Findings) -> None:
             "not set, and no index.json beside the training shards lists the classes",
             file=describe_spec(cfg.data.train),
         )
+
+
+def check_label_range(cfg: Config, findings: Findings) -> None:
+    """Every split's labels are below the classifier's outputs (`model.num_classes`, else the training index's class
+    count): the highest label from the split's index.json (its `label_counts`, else its class list, whose positions
+    the labels are), else from the first `LABEL_SAMPLES` samples of its first local shard."""
+    num_classes = cfg.model.num_classes or len(dataset_classes(cfg.data.train))
+    source = "model.num_classes" if cfg.model.num_classes else "the classes of data.train's index.json"
+    for key, spec, _ in shard_specs(cfg):
+        try:
+            found = highest_label(spec, cfg.data.label_field)
+        except ValueError as err:  # a sample without a readable label (LabelError), an unreadable shard
+            findings.fail(key, str(err))
+            continue
+        if found is not None and found[0] >= num_classes:
+            label, where = found
+            findings.fail(
+                key,
+                f"{where} has label {label}, but the classifier has {num_classes} outputs ({source}); labels must "
+                f"be 0..{num_classes - 1}: set model.num_classes to at least {label + 1}",
+            )
+
+
+def highest_label(spec, label_field: str | None) -> tuple[int, str] | None:
+    """(the highest label of the split, where it was read), or None when there is nothing local to read."""
+    is_folder = isinstance(spec, str) and os.path.isdir(spec)
+    shards = resolve_shards(spec)
+    folder = spec if is_folder else os.path.dirname(shards[0])
+    if os.path.isfile(os.path.join(folder, INDEX_FILE)):
+        index = read_index(folder)
+        counts = index.get("label_counts")
+        used = [label for label, count in enumerate(counts or []) if count]
+        if used or index.get("classes"):
+            listed = "label_counts" if used else "classes"
+            return (used[-1] if used else len(index["classes"]) - 1), f"{folder}/{INDEX_FILE} ({listed})"
+    local = next((shard for shard in shards if os.path.isfile(shard)), None)
+    if local is None:
+        return None
+    samples = list(itertools.islice(shard_samples(local, frozenset({"cls", "json"})), LABEL_SAMPLES))
+    labels = [read_label(sample, label_field) for sample in samples if image_field(sample) is not None]
+    return (max(labels), f"the first {len(samples)} samples of {local}") if labels else None
 
 
 def describe_encoder(state: dict[str, torch.Tensor]) -> str:

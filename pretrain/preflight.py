@@ -1,15 +1,19 @@
 """Pretraining's launch-time checks (run by core/preflight.py before any process starts): a BEiT-style tokenizer
 target loads and its code grid is the encoder's patch grid (a tokenizer export is small, a VQ-VAE of a few MB, so it
-is loaded in full, exactly as the ranks will); the kNN monitor's bank and queries have images and labels."""
+is loaded in full, exactly as the ranks will); the kNN monitor's bank and queries have images and labels, and a shard
+for every rank."""
 
 from __future__ import annotations
+
+from torch import nn
 
 from core.config import Config
 from core.preflight import Findings, check_split
 from core.sections import BEiTObjective
 
 
-def check(cfg: Config, findings: Findings) -> None:
+def check(cfg: Config, findings: Findings, world_size: int) -> None:
+    """The tokenizer target, and the kNN monitor's sets: images with labels, a shard for each of `world_size` ranks."""
     check_tokenizer(cfg, findings)
     knn = cfg.eval.knn
     if not knn.enabled:
@@ -20,7 +24,25 @@ def check(cfg: Config, findings: Findings) -> None:
     )
     for name, spec, default_key, default in sets:  # the monitor reads labels, also in pretraining
         key = f"eval.knn.{name}.shards" + ("" if spec else f" ({default_key})")
-        check_split(key, spec or default, cfg.data.label_field, True, findings)
+        check_split(key, spec or default, cfg.data.label_field, True, findings, num_ranks=world_size)
+
+
+def resolve(cfg: Config) -> None:
+    """Complete `cfg` as the entry point does before it compares it with a checkpoint's: pretraining leaves nothing
+    to the run."""
+
+
+def trained_module(cfg: Config) -> nn.Module:
+    """What a checkpoint of this recipe holds (the objective, or the tokenizer of `stage: tokenizer`), for the
+    free-space estimate; the caller builds it on the meta device.
+
+    Raises:
+        ValueError: The objective cannot be built (a tokenizer target that does not load; `check_tokenizer` says why).
+    """
+    from pretrain.objectives import objective_builder
+    from pretrain.train_tokenizer import build_tokenizer
+
+    return build_tokenizer(cfg) if cfg.stage == "tokenizer" else objective_builder(cfg)()
 
 
 def check_tokenizer(cfg: Config, findings: Findings) -> None:

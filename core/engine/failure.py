@@ -48,6 +48,15 @@ _WORKER_TRACEBACK = "Original Traceback (most recent call last):"
 _log_dir: Path | None = None
 
 
+class StageExit(Exception):  # noqa: N818  (an exit, not an error)
+    """A stage that ends on purpose before it trains (a relaunch refused, or a run already finished): the process
+    exits with `code` after printing `line` (None on the ranks that stay quiet)."""
+
+    def __init__(self, code: int, line: str | None):
+        super().__init__(line or f"exit code {code}")
+        self.code, self.line = code, line
+
+
 class PeerLostError(RuntimeError):
     """Another rank went away while this one waited for it outside a collective (e.g. for rank 0's checkpoint
     conversion): reported as a stopped rank, since the other rank's own line is the cause."""
@@ -60,9 +69,14 @@ def log_tracebacks_to(run_dir: str | Path) -> None:
 
 
 def run_guarded(main: Callable[[], int]) -> int:
-    """Run a stage entry point; an exception becomes one console line, a logged traceback and `EXIT_ERROR`."""
+    """Run a stage entry point; an exception becomes one console line, a logged traceback and `EXIT_ERROR`
+    (`StageExit`: its own line and code)."""
     try:
         return main()
+    except StageExit as stop:
+        if stop.line is not None:
+            print(stop.line, file=sys.stdout if stop.code == 0 else sys.stderr, flush=True)
+        return stop.code
     except Exception as err:  # every error ends here, reported once
         return report(err)
 

@@ -20,17 +20,21 @@ from core.engine.checkpoint import RNGState, find_resume, load_checkpoint, load_
 from core.engine.compiled import describe_compiled
 from core.engine.distributed import DistInfo, init_distributed, shutdown
 from core.engine.ds_compat import is_partitioned, partition_report
-from core.engine.failure import log_tracebacks_to
+from core.engine.failure import StageExit, log_tracebacks_to
 from core.engine.loop import LoopHooks, NonFiniteLossError, PreemptedError, TrainState, train
 from core.engine.plan import launch_plan
 from core.engine.preempt import EXIT_PREEMPTED
 from core.engine.setup import parallelize
 from core.engine.utilisation import device_peak
 from core.logging import MetricsLogger
+from core.rundir import ALLOW_FLAG, Relaunch, keep_launch_config, mark_finished, relaunch
 from data.specs import dataset_size
 
 EXIT_NONFINITE = 3
 """Process exit code after `engine.max_consecutive_nonfinite` non-finite losses in a row (see `run_loop`)."""
+EXIT_REFUSED = 2
+"""Process exit code of a launch refused before training: the run_dir holds a run of another config (as launch.sh's
+pre-flight exits)."""
 
 
 @dataclass
@@ -56,7 +60,8 @@ class StageRun:
 
 
 def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config], None] | None = None) -> StageRun:
-    """Parse `RECIPE [overrides]`, load the config, join the process group, prepare run_dir, find the resume point.
+    """Parse `RECIPE [overrides] [--allow-config-change]`, load the config, join the process group, check that the
+    launch may go on in run_dir (core/rundir.py), keep its config, find the resume point.
 
     Resume order: this run_dir's `checkpoints/latest`, else from scratch (fine-tuning applies `model.init`
     first; a resumed checkpoint is loaded over it).
@@ -66,10 +71,14 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
         argv: The arguments after it.
         resolve: Completes in place what the recipe leaves to the run (fine-tuning's `model.global_pool: auto`),
             before the config is written to run_dir/config.yaml and logged, so that both say what the run used.
+
+    Raises:
+        StageExit: The run_dir holds a run of another config (exit 2), or this run, finished (exit 0).
     """
     parser = argparse.ArgumentParser(prog=prog, description="Run a recipe: RECIPE [section.key=value ...]")
     parser.add_argument("recipe", help="YAML recipe")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.base_lr=1e-4")
+    parser.add_argument(ALLOW_FLAG, action="store_true", help="resume run_dir even if its config differs")
     args = parser.parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
     log_tracebacks_to(cfg.run_dir)  # an error from here on leaves its traceback in run_dir/logs (see run_guarded)
@@ -77,15 +86,24 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
     dist = init_distributed(cfg.engine.device)
     if resolve is not None:
         resolve(cfg)
-    run_dir, config_yaml = prepare_run_dir(cfg, dist)
     samples = cfg.data.samples_per_epoch or dataset_size(cfg.data.train)
     total_steps, warmup_steps = cfg.steps(samples)
+    notes = check_relaunch(cfg, dist, total_steps, allow_change=args.allow_config_change)
+    run_dir, config_yaml = prepare_run_dir(cfg, dist)
     resume = find_resume(run_dir, dist.rank, dist.world_size)
-    logger = MetricsLogger(run_dir, enabled=dist.is_main, tensorboard=cfg.logging.tensorboard, total_steps=total_steps)
-    if resume is None:  # TensorBoard would keep a run's first hparams anyway; the resumed config is in config.yaml
-        logger.hparams(cfg.model_dump(mode="json"))
     state = TrainState()
     load_states(resume, {"train": state})  # the data position is needed before the engine; the RNGs come after it
+    logger = MetricsLogger(
+        run_dir,
+        enabled=dist.is_main,
+        tensorboard=cfg.logging.tensorboard,
+        total_steps=total_steps,
+        resume_step=None if resume is None else state.step,
+    )
+    for note in notes:
+        logger.console(f"[mimpipe] {note}")
+    if resume is None:  # TensorBoard would keep a run's first hparams anyway; the resumed config is in config.yaml
+        logger.hparams(cfg.model_dump(mode="json"))
     # ZeRO-3 logs no perf/mfu (see start_meter), so nothing is measured for it
     peak = (
         None if cfg.engine.zero_stage == 3 else device_peak(cfg.engine.peak_tflops, cfg.engine.precision, dist.device)
@@ -93,6 +111,28 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
     return StageRun(
         cfg, args.recipe, dist, run_dir, config_yaml, samples, total_steps, warmup_steps, resume, state, logger, peak
     )
+
+
+def check_relaunch(cfg: Config, dist: DistInfo, total_steps: int, *, allow_change: bool) -> list[str]:
+    """Whether this launch may go on in `cfg.run_dir` (core/rundir.py), decided by rank 0 and told to every rank, so
+    that all of them stop or none. Returns what rank 0 logs about it (the settings a resume changes).
+
+    Raises:
+        StageExit: On every rank: code `EXIT_REFUSED` when the latest checkpoint there was written by another config
+            (and no `--allow-config-change`), 0 when the run there already finished this schedule. Rank 0's carries
+            the line to print.
+    """
+    told = [relaunch(cfg, total_steps, allow_change=allow_change) if dist.is_main else None]
+    if dist.world_size > 1:
+        torch.distributed.broadcast_object_list(told, src=0)
+    verdict: Relaunch = told[0]
+    refusal = verdict.refusal(cfg.run_dir)
+    if refusal is not None:
+        raise StageExit(EXIT_REFUSED, f"[mimpipe] refused: run_dir: {refusal}" if dist.is_main else None)
+    notes = verdict.notes(cfg.run_dir)
+    if verdict.finished:
+        raise StageExit(0, f"[mimpipe] {notes[-1]}" if dist.is_main else None)
+    return notes
 
 
 def start_engine(run: StageRun, objective: nn.Module | Callable[[], nn.Module]):
@@ -150,6 +190,10 @@ def run_loop(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: L
 
 
 def finish_stage(run: StageRun) -> None:
+    """End a stage whose last step ran and whose export is written: `finished.json` (a relaunch with the same schedule
+    then does nothing), the TensorBoard hint, the logger and the process group closed."""
+    if run.dist.is_main:
+        mark_finished(run.run_dir, run.state.step, (run.run_dir / "checkpoints" / "latest").read_text().strip())
     run.logger.console(f"[mimpipe] TensorBoard: tensorboard --logdir {run.run_dir / 'tb'}")
     run.logger.close()
     shutdown()
@@ -162,10 +206,11 @@ def seed_everything(seed: int) -> None:
 
 
 def prepare_run_dir(cfg: Config, dist: DistInfo) -> tuple[Path, str]:
-    """Create run_dir and write the resolved config to run_dir/config.yaml (rank 0)."""
+    """Create run_dir and keep this launch's resolved config (rank 0): run_dir/config.yaml for the first launch,
+    configs/launch_NNNN.yaml for each later one (`keep_launch_config`)."""
     run_dir = Path(cfg.run_dir)
     config_yaml = dump_config(cfg)
     if dist.is_main:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(config_yaml)
+        keep_launch_config(run_dir, config_yaml)
     return run_dir, config_yaml
