@@ -249,7 +249,7 @@ def check_disk(cfg: Config, trained_module, findings: Findings) -> None:
             findings.ok(f"run_dir: free space not estimated ({err})")
             return
         size = checkpoint_bytes(module, cfg.optim.kind) * (2 if cfg.optim.ema_decay else 1)  # the EMA: a 2nd copy
-        how = f"estimated from {sum(p.numel() for p in module.parameters()) / 1e6:.1f}M parameters"
+        how = f"estimated from {sum(p.numel() for p in module.parameters()):,} parameters"
     count = max(1, cfg.checkpoint.keep_last + 1 - len(saved))
     free, where = free_bytes(cfg.run_dir)
     needed = f"{count} checkpoint{'s' if count > 1 else ''} of about {describe_bytes(size)} each ({how})"

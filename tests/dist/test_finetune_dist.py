@@ -69,7 +69,7 @@ def test_handoff_resize_and_exactly_once_eval(finetuned, zero_stage):
 def test_best_export_survives_a_resume_on_another_world_size(finetuned, zero2_run, shards, tmp_path):
     """Fine-tune on 2 processes, resume (a copy of that run) on 1 with a learning rate that wrecks the weights: the
     worse evaluation after the resume must not replace the exported best (elastic resume once dropped the best
-    score)."""
+    score). The learning rate is another config: the relaunch needs --allow-config-change."""
     run_dir = tmp_path / "run"
     shutil.copytree(finetuned(1)[0], run_dir)
     before = {m["step"]: m["val/top1"] for m in read_metrics(run_dir) if "val/top1" in m}
@@ -77,7 +77,7 @@ def test_best_export_survives_a_resume_on_another_world_size(finetuned, zero2_ru
     exported = (run_dir / "export" / "model.safetensors").read_bytes()
 
     recipe = _recipe(shards, run_dir, zero2_run[0] / "export", zero_stage=1)
-    proc = launch(recipe, "schedule.steps=6", "optim.base_lr=100", "optim.min_lr=10", nproc=1)
+    proc = launch(recipe, "schedule.steps=6", "optim.base_lr=100", "optim.min_lr=10", "--allow-config-change", nproc=1)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "world size changed from 2 to 1" in proc.stdout
     after = {m["step"]: m["val/top1"] for m in read_metrics(run_dir) if "val/top1" in m and m["step"] > 4}

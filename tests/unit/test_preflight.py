@@ -13,8 +13,11 @@ import safetensors.torch
 import torch
 import yaml
 
+from core.config import dump_config, load_config
 from core.launch import main as launch_check
+from core.rundir import mark_finished
 from data.__main__ import main as data_main
+from finetune.preflight import resolve
 from tests.launching import TINY_MODEL, copy_shards
 from tests.unit.conftest import tiny_vit
 
@@ -197,3 +200,73 @@ def test_tokenizer_target_and_bare_teacher(capsys, tmp_path, shards):
         f"launch.sh: distill.teacher: distill.teacher {teacher} is a bare checkpoint: set distill.teacher_arch "
         "(a timm name)"
     ], printed
+
+
+def test_val_needs_a_shard_per_rank(capsys, tmp_path, shards):
+    recipe = finetune_recipe(tmp_path, shards)
+    code = launch_check([str(recipe), f"data.val={shards}", "data.global_batch_size=40", "--nproc-per-node", "5"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("launch.sh:")]
+    assert code == 2 and lines == [
+        f"launch.sh: data.val: {shards}: 4 shards for 5 ranks: evaluation gives every rank shards of its own (at least "
+        "1 each); write the split in smaller shards (python -m data write --shard-size) or launch fewer processes"
+    ]
+    assert launch_check([str(recipe), f"data.val={shards}", "--nproc-per-node", "4"]) == 0
+
+
+def test_labels_beyond_num_classes_from_index_or_first_samples(capsys, tmp_path, shards):
+    recipe = finetune_recipe(tmp_path, shards)
+    code, lines, printed = check(capsys, recipe, "model.num_classes=3")
+    assert code == 2 and lines == [
+        f"launch.sh: data.train: {shards}/index.json (classes) has label 3, but the classifier has 3 outputs "
+        "(model.num_classes); labels must be 0..2: set model.num_classes to at least 4"
+    ], printed
+    foreign = copy_shards(shards, tmp_path / "foreign", drop="none", index=False)  # no index: read the samples
+    code, lines, printed = check(capsys, recipe, "model.num_classes=3", f"data.val={foreign}/*.tar")
+    assert code == 2 and [line.split(":")[1].strip() for line in lines] == ["data.train", "data.val"], printed
+    assert f"the first 16 samples of {foreign}/train-000000.tar has label 3" in lines[1]
+    code, lines, printed = check(capsys, recipe, "model.num_classes=4", f"data.val={foreign}/*.tar")
+    assert code == 0 and lines == [], printed
+
+
+def test_disk_too_small_for_the_checkpoints_kept(capsys, monkeypatch, tmp_path, shards):
+    recipe = finetune_recipe(tmp_path, shards)
+    code, lines, printed = check(capsys, recipe, "checkpoint.keep_last=3")
+    # The tiny ViT (2 blocks of 32 wide, 4 classes) has 27,748 parameters: 16 bytes each with AdamW (fp32 weights,
+    # master copy and two moments), 444 kB.
+    assert code == 0 and "free for 4 checkpoints of about 444.0 kB each" in printed
+    monkeypatch.setattr("core.preflight.free_bytes", lambda path: (1_000_000, tmp_path))
+    code, lines, printed = check(capsys, recipe, "checkpoint.keep_last=3")
+    assert code == 2 and lines == [
+        f"launch.sh: run_dir: {tmp_path}/run: 1.0 MB free on the filesystem of {tmp_path}, the run needs room for 4 "
+        "checkpoints of about 444.0 kB each (estimated from 27,748 parameters): checkpoint.keep_last 3 + 1 while "
+        "saving; free space or set run_dir elsewhere"
+    ], printed
+
+
+def test_relaunch_into_a_run_of_another_config_or_a_finished_run(capsys, tmp_path, shards):
+    recipe = finetune_recipe(tmp_path, shards)
+    cfg = load_config(recipe)
+    resolve(cfg)  # as the entry point saved it: model.global_pool resolved
+    tag_dir = tmp_path / "run" / "checkpoints" / "step_00000004"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "config.yaml").write_text(dump_config(cfg))
+    (tag_dir.parent / "latest").write_text(tag_dir.name)
+
+    code, lines, printed = check(capsys, recipe, "optim.base_lr=3e-4")
+    assert code == 2 and lines == [
+        f"launch.sh: run_dir: {tmp_path}/run holds a run of another config (checkpoints/step_00000004; "
+        "optim.base_lr: 0.00015 -> 0.0003); pass run_dir=NEW_DIR to start a new run, or --allow-config-change to "
+        "continue this one with the new config"
+    ], printed
+    code, lines, printed = check(capsys, recipe, "optim.base_lr=3e-4", "--allow-config-change")
+    assert code == 0 and "with another config (--allow-config-change): optim.base_lr: 0.00015 -> 0.0003" in printed
+    code, lines, printed = check(capsys, recipe, "schedule.steps=8", "logging.every_steps=2")
+    assert code == 0 and "changed settings: schedule.steps: 4 -> 8, logging.every_steps: 10 -> 2" in printed
+
+    mark_finished(tmp_path / "run", 4, tag_dir.name)
+    assert launch_check([str(recipe), "--nproc-per-node", "1"]) == 0
+    out = capsys.readouterr()
+    assert out.out == ""  # no module: launch.sh starts nothing
+    assert f"[mimpipe] {tmp_path}/run holds a finished run (step 4, checkpoints/step_00000004, exported)" in out.err
+    code, lines, printed = check(capsys, recipe, "schedule.steps=8")  # a longer schedule continues it
+    assert code == 0 and printed.startswith("finetune\n") and "finished run" not in printed, printed
