@@ -5,11 +5,15 @@ epochs once."""
 import collections
 import itertools
 import json
+import logging
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from core.engine.loop import TrainState
+from core.engine.stream import train_stream
 from data import pipeline, sources
 from data.cursor import redistribute
 from data.order import TrainOrder, decode_refs
@@ -160,3 +164,36 @@ def test_elastic_loader_from_two_ranks_to_one_reads_the_rest_of_the_epoch_first(
     everything = sorted(f"train_{i:08d}" for i in range(NUM_SHARDS * SHARD_SIZE))
     assert sorted(consumed + resumed[:remaining]) == everything
     assert resumed[remaining:] != []  # then epoch 1 goes on
+
+
+def test_a_checkpoint_without_a_data_position_stops_naming_it(tmp_path):
+    state = TrainState(step=6, batches_consumed=12)  # as a checkpoint of an older mimpipe resumes it
+    run = SimpleNamespace(cfg=None, dist=None, run_dir=tmp_path, resume={"tag": "step_00000006"}, state=state)
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path}/checkpoints/step_00000006 holds no data position"):
+        train_stream(run, None, labels=False)
+
+
+def test_a_position_for_other_shards_is_refused(shards):
+    position = position_after(_take(_loader(shards), 3), 3)
+    with pytest.raises(ValueError, match=r"saved data position is for sources of \[16\] shards, data.train has \[15\]"):
+        _take(_loader(shards[:15], positions=[position]), 1)
+
+
+def test_a_buffered_sample_its_shard_no_longer_gives_is_dropped_with_a_warning(caplog):
+    shards = [f"s{j}-6" for j in range(4)]
+    order = _epoch_order(shards, stream_id=0, num_streams=1, shuffle_buffer=8)
+    list(itertools.islice(order, 5))
+    state = order.state()
+    short = {shards[0]: 2}  # shard 0 now ends after 2 samples (a read that failed after its retries)
+
+    def read(url: str):
+        return ({"__key__": f"{url}/{i}", "__url__": url} for i in range(short.get(url, 6)))
+
+    with caplog.at_level(logging.WARNING, logger="data.order"):
+        restored = TrainOrder(
+            [WeightedShards(shards, 1.0)], read, lambda *parts: random.Random(str(parts)), rank=0, worker=0,
+            stream_id=0, num_streams=1, resampled=False, num_open=2, shuffle_buffer=8, state=state,
+        )  # fmt: skip
+    kept = [s["__key__"] for s in order.buffer if not s["__key__"].startswith("s0-6/") or int(s["__key__"][-1]) < 2]
+    assert [s["__key__"] for s in restored.buffer] == kept and len(kept) < len(order.buffer)
+    assert "could not be read again" in caplog.text
