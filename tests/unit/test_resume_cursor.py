@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from core.engine import stream
 from core.engine.loop import TrainState
 from core.engine.stream import train_stream
 from data import pipeline, sources
@@ -197,3 +198,22 @@ def test_a_buffered_sample_its_shard_no_longer_gives_is_dropped_with_a_warning(c
     kept = [s["__key__"] for s in order.buffer if not s["__key__"].startswith("s0-6/") or int(s["__key__"][-1]) < 2]
     assert [s["__key__"] for s in restored.buffer] == kept and len(kept) < len(order.buffer)
     assert "could not be read again" in caplog.text
+
+
+def test_a_resume_reads_its_own_position_or_with_another_layout_every_old_ranks(tmp_path):
+    tag_dir = tmp_path / "checkpoints" / "step_00000003"
+    tag_dir.mkdir(parents=True)
+    saved = [{"next_worker": rank, "streams": [None, None]} for rank in range(2)]  # 2 workers each
+    for rank, position in enumerate(saved):
+        state = {"step": 3, "batches_consumed": 3, "data_position": position}
+        (tag_dir / f"rank_{rank:05d}.json").write_text(json.dumps({"world_size": 2, "train": state}))
+
+    def run(world_size: int, num_workers: int, **resume) -> SimpleNamespace:
+        cfg = SimpleNamespace(data=SimpleNamespace(num_workers=num_workers))
+        dist = SimpleNamespace(rank=1, world_size=world_size)
+        state = TrainState(3, 3, data_position=saved[1])
+        return SimpleNamespace(cfg=cfg, dist=dist, run_dir=tmp_path, resume={"tag": tag_dir.name, **resume}, state=state)
+
+    assert stream._resume_positions(run(2, 2)) == [None, saved[1]]  # its own: no other rank file is read
+    assert stream._resume_positions(run(2, 1)) == saved  # another worker count
+    assert stream._resume_positions(run(3, 2, from_world_size=2)) == saved  # another world size
