@@ -212,7 +212,8 @@ def test_a_resume_reads_its_own_position_or_with_another_layout_every_old_ranks(
         cfg = SimpleNamespace(data=SimpleNamespace(num_workers=num_workers))
         dist = SimpleNamespace(rank=1, world_size=world_size)
         state = TrainState(3, 3, data_position=saved[1])
-        return SimpleNamespace(cfg=cfg, dist=dist, run_dir=tmp_path, resume={"tag": tag_dir.name, **resume}, state=state)
+        resume = {"tag": tag_dir.name, **resume}
+        return SimpleNamespace(cfg=cfg, dist=dist, run_dir=tmp_path, resume=resume, state=state)
 
     assert stream._resume_positions(run(2, 2)) == [None, saved[1]]  # its own: no other rank file is read
     assert stream._resume_positions(run(2, 1)) == saved  # another worker count
