@@ -175,7 +175,21 @@ def epoch_shards(num_shards: int, source: int, epoch: int, rng: SeededRng, strea
 class _Source:
     """One source's endless raw samples for one stream, each with its reference (see the module docstring)."""
 
-    def __init__(self, shards, offset, num_shards, source, read, rng, layout, resampled, num_open, state) -> None:
+    def __init__(
+        self,
+        shards: list[str],
+        offset: int,
+        num_shards: int,
+        source: int,
+        read: ReadShard,
+        rng: SeededRng,
+        layout: tuple[int, int, int, int],
+        resampled: bool,
+        num_open: int,
+        state: dict,
+    ) -> None:
+        """`shards`: every source's, one list after another; this source's are `shards[offset:offset + num_shards]`.
+        `layout`: (rank, worker, stream_id, num_streams). `state`: the source's part of the cursor."""
         self.shards, self.offset, self.num_shards, self.source = shards, offset, num_shards, source
         self.read, self.rng_of, self.resampled = read, rng, resampled
         self.rank, self.worker, self.stream_id, self.num_streams = layout
