@@ -1,4 +1,4 @@
-# mimpipe: make quickstart | make test | make lint | make bench | make bench-memory | make bench-data |
+# mimpipe: make quickstart | make test | make lint | make bench | make bench-memory | make bench-data | make bench-resume |
 #         make smoke-recipes | make encoders-table | make bench-quality | make gpu-check
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +8,7 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: install quickstart quickstart-beit quickstart-data test test-faults test-unit test-dist lint format bench bench-memory \
-	bench-data smoke-recipes encoders-table bench-quality gpu-check
+	bench-data bench-resume smoke-recipes encoders-table bench-quality gpu-check
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -113,6 +113,11 @@ encoders-table: quickstart-data
 # (torchvision PIL) and the new (data/transforms.py CropFlip) transform, on generated ImageNet-like JPEGs (~10 minutes).
 bench-data: install
 	$(PY) benchmarks/bench_data.py
+
+# Resume start-up after 1x, 10x and 100x the steps: from the saved data cursor against main's replay of the stream
+# from its start, on generated shards (~3 minutes): benchmarks/results/resume.md.
+bench-resume: install
+	$(PY) benchmarks/bench_resume.py
 
 # Representation quality (issue 14): MAE, BEiT-style, ViT-paper MPP and SimMIM pretraining of one ViT, then 1% / 10% /
 # full-label fine-tuning and an L-BFGS linear probe of each encoder and of scratch (recipes/bench/): hours on 2 cores,

@@ -81,12 +81,12 @@ def measure(spec: dict) -> dict:
     from benchmarks.engine_step import Clock, MeasurementDone, train_until_done
     from core.engine.distributed import init_distributed
     from core.engine.setup import parallelize
-    from core.engine.stream import train_stream
+    from core.engine.stream import train_loader
     from pretrain.objectives import objective_builder, train_transform
 
     cfg = build_config(spec)
     dist = init_distributed("cuda")
-    batch = next(train_stream(cfg, dist, train_transform(cfg), skip_batches=0, labels=False))
+    batch = next(iter(train_loader(cfg, dist, train_transform(cfg), labels=False, positions=None)))
     torch.manual_seed(0)
     run_dir = Path(spec["run_dir"])
     engine, optimizer = parallelize(objective_builder(cfg), cfg=cfg, dist=dist, run_dir=run_dir)

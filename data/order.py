@@ -1,4 +1,4 @@
-"""The order in which raw training samples reach one stream (one DataLoader worker of one rank).
+"""The order in which raw training samples reach one stream (one DataLoader worker of one rank), and its cursor.
 
     each source: `num_open` of its shards read at once, each next sample from one of them drawn uniformly
     -> the stream: each next sample from a source drawn by weight (one source: no draw) -> shuffle buffer
@@ -14,23 +14,41 @@ An open shard holds no samples: its tar stream is read one sample at a time. Wha
 connection (a `curl` process for http shards). Samples wait, still encoded, only in the shuffle buffer.
 
 Shard assignment per source:
-    resampled: the stream walks through the source's shards in its own random order, pass after pass, without
-        epochs; streams are independent of each other and may read the same shards.
+    resampled: pass p of stream (rank, worker) reads the source's shards in its own random order; passes follow
+        each other without epochs (an open shard stays open across passes); streams are independent of each other
+        and may read the same shards.
     not resampled: epoch e reads shards[g::G] of the epoch's shard permutation, which every rank computes from
         (seed, source, e) alone, so the G streams never overlap and together read every shard once per epoch.
 
+Cursor: `TrainOrder.state()` is where the stream stands, as small JSON-safe values, and `TrainOrder(..., state=...)`
+continues from it, reading only the shards that were open (up to where they were) and those of the samples the
+shuffle buffer held, never the epochs before. Shards are named by their number in the sources' shard lists, one
+list after another; a sample by a reference, its shard's number << 32 | its index in the shard. Per source:
+    {"epoch": epoch (pass), "next": shards of the epoch's list opened so far, "open": [[shard, samples read], ...],
+     "leftover": [[shard, samples to skip], ...] to open before the epoch's list (an elastic resume, data/cursor.py),
+     "rng": the state of the generator that picks the open shard of every next sample (None: seed it afresh)}
+and for the stream: {"num_shards": per source, "generation": elastic resumes so far (seeds mix and buffer), "sources",
+"mix": the mix generator's state, "buffer": {"rng": its generator's state, "refs": its samples' references,
+base64 of little-endian int64s, in buffer order}}.
+
 Randomness comes only from the `rng(*parts)` generators the caller seeds, so the raw stream is a function of the
-seeds, the rank and the worker: skipping its first N samples reproduces a resumed run exactly.
+seeds, the rank, the worker and the cursor it starts from: a stream restarted from the cursor it gave after N samples
+yields what the uninterrupted stream yields after N.
 """
 
+import array
+import base64
 import itertools
+import logging
 import random
+import sys
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import webdataset as wds
-
 from data.specs import WeightedShards, describe_shards
+
+log = logging.getLogger(__name__)
 
 Sample = dict[str, Any]
 ReadShard = Callable[[str], Iterator[Sample]]
@@ -39,26 +57,15 @@ SeededRng = Callable[..., random.Random]
 
 # Purpose tags, the first part of every seed drawn here, so the generators are independent of each other.
 _SHARD_ORDER, _SHARD_PASS, _INTERLEAVE, _MIX, _SHUFFLE = range(5)
+_INDEX_BITS = 32  # a sample reference: shard number << _INDEX_BITS | index of the sample in its shard
 
 
-def train_order(
-    sources: list[WeightedShards],
-    read: ReadShard,
-    rng: SeededRng,
-    *,
-    rank: int,
-    worker: int,
-    stream_id: int,
-    num_streams: int,
-    resampled: bool,
-    num_open: int,
-    shuffle_buffer: int,
-) -> Iterator[Sample]:
+class TrainOrder:
     """The endless raw sample stream of one stream: sources interleaved shard-wise, mixed by weight, buffered.
 
     Args:
         sources: The sources with their weights; one source is read without any draw between sources.
-        read: Opens one shard and yields its raw samples.
+        read: Opens one shard (by URL) and yields its raw samples; a shard that ends early is simply exhausted.
         rng: Seeded generators (see `SeededRng`).
         rank: This process's rank.
         worker: This stream's worker index within the rank.
@@ -67,109 +74,259 @@ def train_order(
         resampled: See the module docstring.
         num_open: Shards each source reads at once.
         shuffle_buffer: Samples held by the shuffle buffer after the mix; 0 turns it off.
+        state: A cursor from `state()` to continue from (see the module docstring); None starts afresh.
+
+    Raises:
+        ValueError: If `state` was saved for other sources than `sources`.
     """
-    streams = [
-        _source_stream(s.shards, i, read, rng, rank, worker, stream_id, num_streams, resampled, num_open)
-        for i, s in enumerate(sources)
-    ]
-    samples = streams[0] if len(streams) == 1 else _mix(streams, [s.weight for s in sources], rng(_MIX, rank, worker))
-    if shuffle_buffer > 0:
-        samples = wds.shuffle(shuffle_buffer, initial=shuffle_buffer, rng=rng(_SHUFFLE, rank, worker))(samples)
-    return samples
+
+    def __init__(
+        self,
+        sources: list[WeightedShards],
+        read: ReadShard,
+        rng: SeededRng,
+        *,
+        rank: int,
+        worker: int,
+        stream_id: int,
+        num_streams: int,
+        resampled: bool,
+        num_open: int,
+        shuffle_buffer: int,
+        state: dict | None = None,
+    ) -> None:
+        state = state or initial_state([len(s.shards) for s in sources])
+        if state["num_shards"] != [len(s.shards) for s in sources]:
+            raise ValueError(
+                f"the saved data position is for sources of {state['num_shards']} shards, data.train has "
+                f"{[len(s.shards) for s in sources]}: the stream cannot continue where it stopped"
+            )
+        self.shards = [url for s in sources for url in s.shards]
+        offsets = list(itertools.accumulate([0, *(len(s.shards) for s in sources)]))[:-1]
+        layout = (rank, worker, stream_id, num_streams)
+        self.sources = [
+            _Source(self.shards, offset, len(s.shards), i, read, rng, layout, resampled, num_open, source_state)
+            for i, (s, offset, source_state) in enumerate(zip(sources, offsets, state["sources"], strict=True))
+        ]
+        self.generation = state["generation"]
+        self.cum_weights = list(itertools.accumulate(s.weight for s in sources))
+        self.mix_rng = _restored(state["mix"], lambda: rng(_MIX, self.generation, rank, worker))
+        buffered = state["buffer"]
+        self.buffer_size = shuffle_buffer
+        self.shuffle_rng = _restored(buffered["rng"], lambda: rng(_SHUFFLE, self.generation, rank, worker))
+        self.buffer_refs = decode_refs(buffered["refs"])
+        self.buffer = _read_refs(self.buffer_refs, self.shards, read)
+
+    def __iter__(self) -> Iterator[Sample]:
+        return self
+
+    def __next__(self) -> Sample:
+        if self.buffer_size == 0 and not self.buffer:
+            return self._draw()[1]
+        while len(self.buffer) < self.buffer_size:  # holds one fewer after every sample it gives
+            ref, sample = self._draw()
+            self.buffer_refs.append(ref)
+            self.buffer.append(sample)
+        i = self.shuffle_rng.randrange(len(self.buffer))
+        sample = self.buffer[i]
+        self.buffer_refs[i], self.buffer[i] = self.buffer_refs[-1], self.buffer[-1]  # the last takes its place
+        self.buffer_refs.pop()
+        self.buffer.pop()
+        return sample
+
+    def state(self) -> dict:
+        """The cursor: a fresh `TrainOrder` given it yields what this one yields next (JSON-safe values)."""
+        return {
+            "num_shards": [source.num_shards for source in self.sources],
+            "generation": self.generation,
+            "sources": [source.state() for source in self.sources],
+            "mix": _rng_state(self.mix_rng) if len(self.sources) > 1 else None,
+            "buffer": {"rng": _rng_state(self.shuffle_rng), "refs": encode_refs(self.buffer_refs)},
+        }
+
+    def _draw(self) -> tuple[int, Sample]:
+        """The next raw sample after the mix, with its reference."""
+        if len(self.sources) == 1:
+            return next(self.sources[0])
+        (source,) = self.mix_rng.choices(self.sources, cum_weights=self.cum_weights)
+        return next(source)
 
 
-def interleave_shards(
-    urls: Iterator[str], read: ReadShard, *, num_open: int, rng: random.Random, num_distinct: int | None = None
-) -> Iterator[Sample]:
-    """Reads up to `num_open` shards at once; each next sample comes from one of them, drawn uniformly.
+def initial_state(num_shards: list[int]) -> dict:
+    """The cursor of a stream that has not started, for sources of `num_shards` shards each."""
+    fresh = {"epoch": 0, "next": 0, "open": [], "leftover": [], "rng": None}
+    return {
+        "num_shards": list(num_shards),
+        "generation": 0,
+        "sources": [dict(fresh) for _ in num_shards],
+        "mix": None,
+        "buffer": {"rng": None, "refs": encode_refs(array.array("q"))},
+    }
 
-    An exhausted shard is replaced by the next of `urls` that is not open already (an endless `urls` repeats
-    shards, and the same shard read twice at once would repeat its samples close together); the stream ends
-    when `urls` and every open shard are.
 
-    Args:
-        urls: The shards, in the order they are opened.
-        read: Opens one shard and yields its raw samples.
-        num_open: How many shards are read at once.
-        rng: Draws the shard of every next sample.
-        num_distinct: How many different shards an endless `urls` repeats (at most that many are open at once;
-            once all of them have been found empty with no sample in between, raise instead of looping forever);
-            None for a finite `urls`.
-    """
-    num_open = num_open if num_distinct is None else min(num_open, num_distinct)
-    open_shards: list[_OpenShard] = []
-    found_empty: set[str] = set()  # shards that held no sample, since the last sample
-    exhausted = False
-    while True:
-        while not exhausted and len(open_shards) < num_open:
-            reading = {shard.url for shard in open_shards}
-            url = next((u for u in urls if u not in reading), None)
-            if url is None:
-                exhausted = True
-            else:
-                open_shards.append(_OpenShard(url, read(url)))
-        if not open_shards:
-            return
-        i = rng.randrange(len(open_shards))
-        shard = open_shards[i]
-        sample = next(shard.samples, None)
-        if sample is not None:
-            shard.num_read += 1
-            found_empty.clear()
-            yield sample
-            continue
-        open_shards.pop(i)
-        if shard.num_read == 0:
-            found_empty.add(shard.url)
-            if num_distinct is not None and len(found_empty) >= num_distinct:
-                raise ValueError(
-                    f"none of the {num_distinct} shards {describe_shards(sorted(found_empty))} holds a sample"
-                )
+def epoch_shards(num_shards: int, source: int, epoch: int, rng: SeededRng, stream_id: int, num_streams: int) -> list:
+    """Not resampled: the shard numbers (within the source) that stream `stream_id` of `num_streams` reads in
+    `epoch`, in order: its share of the epoch's permutation, the same on every rank and worker."""
+    order = list(range(num_shards))
+    rng(_SHARD_ORDER, source, epoch).shuffle(order)
+    return order[stream_id::num_streams]
+
+
+class _Source:
+    """One source's endless raw samples for one stream, each with its reference (see the module docstring)."""
+
+    def __init__(
+        self,
+        shards: list[str],
+        offset: int,
+        num_shards: int,
+        source: int,
+        read: ReadShard,
+        rng: SeededRng,
+        layout: tuple[int, int, int, int],
+        resampled: bool,
+        num_open: int,
+        state: dict,
+    ) -> None:
+        """`shards`: every source's, one list after another; this source's are `shards[offset:offset + num_shards]`.
+        `layout`: (rank, worker, stream_id, num_streams). `state`: the source's part of the cursor."""
+        self.shards, self.offset, self.num_shards, self.source = shards, offset, num_shards, source
+        self.read, self.rng_of, self.resampled = read, rng, resampled
+        self.rank, self.worker, self.stream_id, self.num_streams = layout
+        names = shards[offset : offset + num_shards]
+        self.num_distinct = len(set(names))
+        self.num_open = min(num_open, self.num_distinct) if resampled else num_open
+        self.epoch, self.next, self.leftover = state["epoch"], state["next"], [tuple(e) for e in state["leftover"]]
+        self.epoch_list = self._epoch_list()
+        self.rng = _restored(state["rng"], self._seeded_rng)
+        self.open = [self._open(number, skip) for number, skip in state["open"]]
+        self.epoch_empty = self.next == 0 and not self.open  # nothing read yet in this epoch
+        self.found_empty: set[str] = set()  # resampled: shards that held no sample, since the last sample
+
+    def __next__(self) -> tuple[int, Sample]:
+        while True:
+            while len(self.open) < self.num_open and (entry := self._next_entry()) is not None:
+                self.open.append(self._open(*entry))
+            if not self.open:  # not resampled: the epoch's shards are read
+                if self.epoch_empty:  # would otherwise loop forever without yielding
+                    urls = [self.shards[self.offset + i] for i in self.epoch_list]
+                    raise ValueError(f"shards {describe_shards(urls)} of stream {self.stream_id} hold no samples")
+                self.epoch, self.next, self.epoch_empty = self.epoch + 1, 0, True
+                self.epoch_list, self.rng = self._epoch_list(), self._seeded_rng()
+                continue
+            i = self.rng.randrange(len(self.open))
+            shard = self.open[i]
+            sample = next(shard.samples, None)
+            if sample is not None:
+                shard.num_read += 1
+                self.found_empty.clear()
+                self.epoch_empty = False
+                return shard.number << _INDEX_BITS | (shard.num_read - 1), sample
+            self.open.pop(i)
+            if shard.num_read == shard.first and self.resampled:
+                self.found_empty.add(self.shards[shard.number])
+                if len(self.found_empty) >= self.num_distinct:
+                    raise ValueError(
+                        f"none of the {self.num_distinct} shards {describe_shards(sorted(self.found_empty))} holds a "
+                        "sample"
+                    )
+
+    def state(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "next": self.next,
+            "open": [[shard.number, shard.num_read] for shard in self.open],
+            "leftover": [list(entry) for entry in self.leftover],
+            "rng": _rng_state(self.rng),
+        }
+
+    def _epoch_list(self) -> list[int]:
+        """The shard numbers (within the source) of the current epoch (pass), in the order they are opened."""
+        if not self.resampled:
+            return epoch_shards(self.num_shards, self.source, self.epoch, self.rng_of, self.stream_id, self.num_streams)
+        order = list(range(self.num_shards))
+        self.rng_of(_SHARD_PASS, self.source, self.epoch, self.rank, self.worker).shuffle(order)
+        return order
+
+    def _seeded_rng(self) -> random.Random:
+        """The open-shard generator of the current epoch (resampled: of the stream, seeded at the pass it starts)."""
+        return self.rng_of(_INTERLEAVE, self.source, self.epoch, self.rank, self.worker)
+
+    def _next_entry(self) -> tuple[int, int] | None:
+        """(global shard number, samples to skip) of the next shard to open; None when the epoch has no more.
+
+        Resampled: passes follow each other, and a shard already open is passed over (the same shard read twice at
+        once would repeat its samples close together); `num_open` <= the distinct shards leaves one to find.
+        """
+        if self.leftover:
+            return self.leftover.pop(0)
+        reading = {self.shards[shard.number] for shard in self.open}
+        while True:
+            if self.next == len(self.epoch_list):
+                if not self.resampled:
+                    return None
+                self.epoch, self.next = self.epoch + 1, 0
+                self.epoch_list = self._epoch_list()
+            number = self.offset + self.epoch_list[self.next]
+            self.next += 1
+            if not self.resampled or self.shards[number] not in reading:
+                return number, 0
+
+    def _open(self, number: int, skip: int) -> "_OpenShard":
+        """Shard `number`, its first `skip` samples read past (a resumed shard)."""
+        return _OpenShard(number, itertools.islice(self.read(self.shards[number]), skip, None), skip)
 
 
 class _OpenShard:
-    """A shard being read: its url, its remaining samples and how many it has given."""
+    """A shard being read: its number, its remaining samples, how many it has given (from its start) and how many
+    it had given when it was opened."""
 
-    def __init__(self, url: str, samples: Iterator[Sample]) -> None:
-        self.url, self.samples, self.num_read = url, samples, 0
-
-
-def _source_stream(
-    shards: list[str],
-    source: int,
-    read: ReadShard,
-    rng: SeededRng,
-    rank: int,
-    worker: int,
-    stream_id: int,
-    num_streams: int,
-    resampled: bool,
-    num_open: int,
-) -> Iterator[Sample]:
-    """One source's endless raw samples for one stream (see the module docstring for the shard assignment)."""
-    if resampled:
-        passes = rng(_SHARD_PASS, source, rank, worker)
-        urls = (url for _ in itertools.count() for url in passes.sample(shards, len(shards)))
-        interleave_rng = rng(_INTERLEAVE, source, rank, worker)
-        yield from interleave_shards(urls, read, num_open=num_open, rng=interleave_rng, num_distinct=len(set(shards)))
-        return
-    for epoch in itertools.count():
-        urls = list(shards)
-        rng(_SHARD_ORDER, source, epoch).shuffle(urls)  # the same permutation on every rank and worker
-        urls = urls[stream_id::num_streams]
-        interleave_rng = rng(_INTERLEAVE, source, epoch, rank, worker)
-        empty = True
-        for sample in interleave_shards(iter(urls), read, num_open=num_open, rng=interleave_rng):
-            empty = False
-            yield sample
-        if empty:  # would otherwise loop forever without yielding
-            raise ValueError(f"shards {describe_shards(urls)} of stream {stream_id} hold no samples")
+    def __init__(self, number: int, samples: Iterator[Sample], num_read: int) -> None:
+        self.number, self.samples, self.num_read, self.first = number, samples, num_read, num_read
 
 
-def _mix(streams: list[Iterator[Sample]], weights: list[float], rng: random.Random) -> Iterator[Sample]:
-    """Each next sample from source i with probability weights[i] / sum(weights); every stream is endless."""
-    indices = range(len(streams))
-    cum_weights = list(itertools.accumulate(weights))
-    while True:
-        (i,) = rng.choices(indices, cum_weights=cum_weights)
-        yield next(streams[i])
+def encode_refs(refs: array.array) -> str:
+    """Sample references as base64 of little-endian int64s: a few bytes per buffered sample, JSON-safe."""
+    if sys.byteorder == "big":
+        refs = array.array("q", refs)
+        refs.byteswap()
+    return base64.b64encode(refs.tobytes()).decode("ascii")
+
+
+def decode_refs(text: str) -> array.array:
+    refs = array.array("q", base64.b64decode(text))
+    if sys.byteorder == "big":
+        refs.byteswap()
+    return refs
+
+
+def _read_refs(refs: array.array, shards: list[str], read: ReadShard) -> list[Sample]:
+    """The samples `refs` name, reading each of their shards once, up to the last one needed; a sample its shard no
+    longer gives (a shard that now ends early) is dropped from `refs`, with a warning."""
+    wanted: dict[int, set[int]] = defaultdict(set)
+    for ref in refs:
+        wanted[ref >> _INDEX_BITS].add(ref & (2**_INDEX_BITS - 1))
+    found: dict[int, Sample] = {}
+    for number, indices in sorted(wanted.items()):
+        for index, sample in enumerate(itertools.islice(read(shards[number]), max(indices) + 1)):
+            if index in indices:
+                found[number << _INDEX_BITS | index] = sample
+    missing = [ref for ref in refs if ref not in found]
+    if missing:
+        log.warning("%d buffered samples could not be read again (their shards end early); dropped", len(missing))
+        refs[:] = array.array("q", (ref for ref in refs if ref in found))
+    return [found[ref] for ref in refs]
+
+
+def _rng_state(rng: random.Random) -> list:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _restored(state: list | None, seeded: Callable[[], random.Random]) -> random.Random:
+    """The generator in `state`, or `seeded()` when there is none (a fresh stream, or a new epoch)."""
+    if state is None:
+        return seeded()
+    rng = random.Random()
+    rng.setstate((state[0], tuple(state[1]), state[2]))
+    return rng

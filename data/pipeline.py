@@ -2,7 +2,7 @@
 
 Each stream runs inside one DataLoader worker (or in-process when num_workers=0):
     shards, several open at once (per mixture source) -> source drawn by weight -> shuffle buffer
-        -> skip (resume) -> decode + transform -> batch
+        -> decode + transform -> batch (+ the stream's cursor, training)
 Batches are built in the worker and passed through by DataLoader(batch_size=None). data/order.py says in which
 order the raw samples come.
 
@@ -23,14 +23,16 @@ Samples: any sample with an image field (`jpg`, `jpeg`, `png`, `webp`, `bmp`, an
 when the loader needs labels (`.cls`, or an integer field of its `.json`), otherwise "label" is -1. Samples with no
 image field and images that do not decode are skipped, logged and counted ("num_corrupt"); a missing label stops.
 
-Resume: `skip_batches=N` drops each worker's share of the first N batches as raw samples, before
-decoding; a sample's position counts only samples with an image field. It reproduces the uninterrupted run exactly
-unless the skipped range held corrupt images (each one, never decoded, shifts the resumed stream by one sample).
+Resume: every training batch carries "cursor", where its stream stands right after it (data/cursor.py); the
+training process keeps the last one per worker (`data.cursor.advance`), and a loader given those positions restarts
+each stream there, reading only the shards it had open and those its shuffle buffer held: the same batches as the
+uninterrupted run, at a cost that does not grow with the position.
 
 Shapes: B batch size, H/W image height/width after the transform.
 """
 
 import functools
+import itertools
 import logging
 import math
 import os
@@ -45,15 +47,16 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data import wds_compat
+from data.cursor import StreamCursor, start_position
 from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS, decode_rgb, image_field, read_label
-from data.order import train_order
+from data.order import TrainOrder
 from data.specs import WeightedShards, dataset_size, describe_shards, sample_quotas
 
 log = logging.getLogger(__name__)
 
 NO_LABEL = -1
 """The "label" of every sample in a batch from a loader that reads no labels (pretraining)."""
-_PER_SAMPLE_FIELDS = ("label", "key", "num_corrupt")
+_PER_SAMPLE_FIELDS = ("label", "key", "num_corrupt", "index")
 _IMAGE_TYPES = ", ".join(IMAGE_FIELDS)
 # Purpose tags mixed into seeds so the RNGs drawn from one user seed are independent of each other.
 _SEED_ORDER, _SEED_AUGMENT, _SEED_LOADER = range(3)
@@ -73,7 +76,7 @@ def make_train_loader(
     num_workers: int,
     shuffle_buffer: int | None = None,
     resampled: bool = True,
-    skip_batches: int = 0,
+    positions: list[dict | None] | None = None,
     labels: bool = True,
     label_field: str | None = None,
     num_open_shards: int = 8,
@@ -96,7 +99,9 @@ def make_train_loader(
             disk); 1,000 without an index.
         resampled: Each (rank, worker) walks through the shards in its own random order, pass after pass, instead
             of splitting each epoch's shard permutation over all streams (see data/order.py).
-        skip_batches: Number of leading batches to skip without decoding them (exact resume).
+        positions: Where to continue from: the data position each rank of the resumed run saved, by rank (see
+            `data.cursor.start_position`: with this world size and worker count only this rank's is read, with
+            another every one is); None starts afresh.
         labels: Read each sample's label; a sample without one raises `LabelError`. False (pretraining) reads
             none and gives every sample the label -1 (`NO_LABEL`).
         label_field: Where labels are read from: None reads `.cls`, a name reads that integer field of the
@@ -106,7 +111,7 @@ def make_train_loader(
     Returns:
         A DataLoader of batch dicts: "image" (B, 3, H, W) (uint8 from our transforms), "label" (B,) int64, "key"
         list of B str, "num_corrupt" int64 scalar (samples without a usable image the producing worker skipped since
-        its last batch), "normalise" with the transform's `normalisation`.
+        its last batch), "normalise" with the transform's `normalisation`, "cursor" (`data.cursor.StreamCursor`).
     """
     sources = list(shards) if shards and isinstance(shards[0], WeightedShards) else [WeightedShards(list(shards), 1.0)]
     all_shards = [shard for source in sources for shard in source.shards]
@@ -114,13 +119,16 @@ def make_train_loader(
     for i, source in enumerate(sources):
         name = f"mixture source {i}, " if len(sources) > 1 else ""
         _check_source(source, name, resampled=resampled, world_size=world_size, num_workers=num_workers)
-    if (shuffle_buffer is not None and shuffle_buffer < 0) or skip_batches < 0 or num_open_shards < 1:
-        raise ValueError(
-            "need shuffle_buffer >= 0, skip_batches >= 0, num_open_shards >= 1; "
-            f"got {shuffle_buffer}, {skip_batches}, {num_open_shards}"
-        )
+    if (shuffle_buffer is not None and shuffle_buffer < 0) or num_open_shards < 1:
+        raise ValueError(f"need shuffle_buffer >= 0, num_open_shards >= 1; got {shuffle_buffer}, {num_open_shards}")
     if shuffle_buffer is None:
         shuffle_buffer = _default_shuffle_buffer(all_shards, num_open_shards)
+    position = None
+    if positions is not None:
+        position = start_position(
+            positions, rank=rank, world_size=world_size, num_workers=num_workers, sources=sources,
+            resampled=resampled, rng=_order_rng(seed),
+        )  # fmt: skip
     stream = _ShardStream(
         all_shards,
         sources=sources,
@@ -133,7 +141,7 @@ def make_train_loader(
         train=True,
         shuffle_buffer=shuffle_buffer,
         resampled=resampled,
-        skip_batches=skip_batches,
+        position=position,
         labels=labels,
         label_field=label_field,
     )
@@ -187,7 +195,7 @@ class _ShardStream(IterableDataset):
         train: bool,
         shuffle_buffer: int = 0,
         resampled: bool = False,
-        skip_batches: int = 0,
+        position: dict | None = None,
         labels: bool = True,
         label_field: str | None = None,
         sources: list[WeightedShards] | None = None,
@@ -197,52 +205,55 @@ class _ShardStream(IterableDataset):
         super().__init__()
         self.shards, self.transform, self.batch_size = list(shards), transform, batch_size
         self.seed, self.rank, self.world_size, self.train = seed, rank, world_size, train
-        self.shuffle_buffer, self.resampled, self.skip_batches = shuffle_buffer, resampled, skip_batches
+        self.shuffle_buffer, self.resampled = shuffle_buffer, resampled
+        self.position = position  # train: this rank's data position to start from (data/cursor.py); None: afresh
         self.labels, self.label_field = labels, label_field
         self.sources, self.num_open_shards = sources or [WeightedShards(self.shards, 1.0)], num_open_shards
         self.quotas = quotas  # eval: samples (with an image) to read from the start of each shard; None: all
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         loader_worker, num_workers = _worker_position()
-        # DataLoader takes batches round-robin from its workers, starting at worker 0: batch i of a fresh run
-        # comes from worker i % W. A run resumed after N batches must start with the worker that made batch N,
-        # so DataLoader worker w plays the role of worker (w + N) % W, which skips its own batches among the N.
-        worker = (loader_worker + self.skip_batches) % num_workers
-        stream_id, num_streams = self.rank * num_workers + worker, self.world_size * num_workers
+        label_of = functools.partial(read_label, label_field=self.label_field) if self.labels else _no_label
+        collate = functools.partial(_collate, normalisation=getattr(self.transform, "normalisation", None))
         if self.train:
-            samples = self._train_samples(worker, stream_id, num_streams)
-        elif self.quotas is None:
+            return _restore_global_rngs(self._train_batches(loader_worker, num_workers, label_of, collate))
+        stream_id, num_streams = self.rank * num_workers + loader_worker, self.world_size * num_workers
+        if self.quotas is None:
             samples = _read_shards(self.shards[stream_id::num_streams])
         else:
             own = zip(self.shards[stream_id::num_streams], self.quotas[stream_id::num_streams], strict=True)
             samples = (sample for url, quota in own for sample in _first_image_samples(_read_shards([url]), quota))
-        own_skipped = self.skip_batches // num_workers + int(worker < self.skip_batches % num_workers)
-        num_skipped = own_skipped * self.batch_size
-        samples = _skip_image_samples(samples, num_skipped)  # raw samples: nothing decoded
-        label_of = functools.partial(read_label, label_field=self.label_field) if self.labels else _no_label
-        decoded = _decode(samples, self.transform, label_of, (self.seed, _SEED_AUGMENT, self.rank, worker), num_skipped)
-        collate = functools.partial(_collate, normalisation=getattr(self.transform, "normalisation", None))
-        batches = wds.batched(self.batch_size, collation_fn=collate, partial=not self.train)(decoded)
-        return _restore_global_rngs(batches)
+        decoded = _decode(samples, self.transform, label_of, (self.seed, _SEED_AUGMENT, self.rank, loader_worker), 0)
+        return _restore_global_rngs(wds.batched(self.batch_size, collation_fn=collate, partial=True)(decoded))
 
-    def _train_samples(self, worker: int, stream_id: int, num_streams: int) -> Iterator[dict[str, Any]]:
-        """Raw samples of this stream, endless, in the order data/order.py gives them."""
-
-        def rng(*parts: int) -> random.Random:
-            return random.Random(_mix_seed(self.seed, _SEED_ORDER, *parts))
-
-        return train_order(
+    def _train_batches(self, loader_worker: int, num_workers: int, label_of, collate) -> Iterator[dict[str, Any]]:
+        """This stream's endless batches, each with the stream's cursor right after it (see data/cursor.py)."""
+        # DataLoader takes batches round-robin from its workers, starting at worker 0 at every iter(). A resumed
+        # run must start with the worker whose batch comes next, so DataLoader worker w plays worker (w + next) % W.
+        position = self.position or {"next_worker": 0, "streams": [None] * num_workers}
+        worker = (loader_worker + position["next_worker"]) % num_workers
+        start = position["streams"][worker] or {"index": 0, "order": None}
+        order = TrainOrder(
             self.sources,
             lambda url: _read_shards([url]),
-            rng,
+            _order_rng(self.seed),
             rank=self.rank,
             worker=worker,
-            stream_id=stream_id,
-            num_streams=num_streams,
+            stream_id=self.rank * num_workers + worker,
+            num_streams=self.world_size * num_workers,
             resampled=self.resampled,
             num_open=self.num_open_shards,
             shuffle_buffer=self.shuffle_buffer,
+            state=start["order"],
         )
+        seed_prefix = (self.seed, _SEED_AUGMENT, self.rank, worker)
+        decoded = _decode(order, self.transform, label_of, seed_prefix, start["index"])
+        while True:
+            samples = list(itertools.islice(decoded, self.batch_size))  # no read-ahead: the cursor is right after
+            batch = collate(samples)
+            state = {"index": samples[-1]["index"] + 1, "order": order.state()}
+            batch["cursor"] = StreamCursor(worker, num_workers, state)
+            yield batch
 
 
 # Object-store schemes go into webdataset's gopen table once its internals have been checked (data/wds_compat.py):
@@ -257,20 +268,6 @@ def _read_shards(urls: Iterator[str] | list[str]) -> Iterator[dict[str, Any]]:
             yield from wds.tarfile_samples([{"url": url}])
         except Exception as exn:
             raise RuntimeError(f"cannot read shard {url}: {wds_compat.why_unreadable(exn)}") from exn
-
-
-def _skip_image_samples(samples: Iterator[dict[str, Any]], count: int) -> Iterator[dict[str, Any]]:
-    """`samples` after the first `count` that have an image field (and the imageless ones among them), undecoded.
-
-    Counting only samples with an image keeps a resumed stream exact across imageless samples: `_decode` skips
-    them without giving them a position, so their count never shifts where the resumed stream starts.
-    """
-    seen = 0
-    for sample in samples:
-        if seen == count:
-            yield sample
-        else:
-            seen += image_field(sample) is not None
 
 
 def _first_image_samples(samples: Iterator[dict[str, Any]], count: int) -> Iterator[dict[str, Any]]:
@@ -299,7 +296,7 @@ def _decode(
 
     Sample `first_index + i` of the stream (counting samples with an image field) is transformed under RNGs
     seeded from (seed_prefix, index) (see `_sample_seed`). Each output carries "num_corrupt": the samples skipped
-    right before it, and the label `label_of(sample)` gives.
+    right before it, the label `label_of(sample)` gives, and its "index".
 
     Raises:
         LabelError: From `label_of`, for a sample whose label is missing or not an integer.
@@ -323,7 +320,7 @@ def _decode(
         _seed_global_rngs(_sample_seed(stream_seed, index))  # restored by _restore_global_rngs
         out = transform(image)
         fields = out if isinstance(out, dict) else {"image": out}
-        yield {**fields, "label": label, "key": key, "num_corrupt": num_corrupt}
+        yield {**fields, "label": label, "key": key, "num_corrupt": num_corrupt, "index": index}
         num_corrupt = 0
 
 
@@ -414,6 +411,11 @@ def _default_shuffle_buffer(shards: list[str], num_open_shards: int) -> int:
     open_samples = min(num_open_shards, len(shards)) * num_samples / len(shards)
     bytes_per_sample = sum(os.path.getsize(s) for s in shards) / max(num_samples, 1)
     return max(1, min(round(open_samples), int(_SHUFFLE_BUFFER_BYTES / max(bytes_per_sample, 1))))
+
+
+def _order_rng(seed: int) -> Callable[..., random.Random]:
+    """The seeded generators of the sample order (data/order.py `SeededRng`)."""
+    return lambda *parts: random.Random(_mix_seed(seed, _SEED_ORDER, *parts))
 
 
 def _worker_position() -> tuple[int, int]:

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Config (pooling from the checkpoint's hint unless the recipe says), distributed init, run dir, resume point
     run = start_stage("python -m finetune", argv, resolve=resolve_global_pool)
-    cfg, dist = run.cfg, run.dist
+    cfg = run.cfg
     classes = dataset_classes(cfg.data.train)
     num_classes = cfg.model.num_classes or len(classes)
     if not num_classes:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         num_classes=num_classes, mixup=a.mixup, cutmix=a.cutmix, prob=a.mix_prob, switch_prob=a.mix_switch_prob,
         label_smoothing=cfg.objective.label_smoothing,
     )  # fmt: skip
-    batches = mixed(train_stream(cfg, dist, train_tf, skip_batches=run.state.batches_consumed, labels=True), mix)
+    batches = mixed(train_stream(run, train_tf, labels=True), mix)
     eval_tf = eval_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, crop_pct=cfg.data.eval_crop_pct)
 
     # Model and objective (same init on every rank); the resumed checkpoint, if any, is loaded over them

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return train_tokenizer(run)
 
     # Data: the endless training stream, positioned where the resumed run left it
-    batches = train_stream(cfg, dist, train_transform(cfg), skip_batches=run.state.batches_consumed, labels=False)
+    batches = train_stream(run, train_transform(cfg), labels=False)
 
     # Objective (same init on every rank) and engine
     seed_everything(cfg.seed)

@@ -77,7 +77,7 @@ def train_tokenizer(run: StageRun) -> int:
 
     # Data: MAE's crop-and-flip at the tokenizer's resolution
     transform = pretrain_transform(img_size, cfg.data.mean, cfg.data.std, scale=cfg.data.crop_scale)
-    batches = train_stream(cfg, dist, transform, skip_batches=run.state.batches_consumed, labels=False)
+    batches = train_stream(run, transform, labels=False)
 
     # Model (same init on every rank). Its EMA codebook statistics are summed over ranks so every rank keeps the
     # same codebook: the one piece of distribution the tokenizer needs, applied here from outside.

@@ -295,3 +295,14 @@ def chi_square(labels: list[int], num_classes: int) -> float:
     counts = [labels.count(k) for k in range(num_classes)]
     expected = len(labels) / num_classes
     return sum((c - expected) ** 2 / expected for c in counts)
+
+
+def position_after(batches: Sequence[dict], num_batches: int) -> dict:
+    """The data position the training loop holds after consuming the first `num_batches` of `batches`
+    (`TrainState.consume`, which takes each batch's cursor): what a checkpoint then saves for this rank."""
+    from core.engine.loop import TrainState
+
+    state = TrainState()
+    for batch in batches[:num_batches]:
+        state.consume(dict(batch))  # a copy: the batch keeps its cursor for the caller
+    return state.data_position

@@ -168,6 +168,14 @@ def _read_states(state_file: Path) -> dict[str, dict]:
     return saved
 
 
+def saved_states(run_dir: Path, tag: str, name: str) -> list[dict]:
+    """The state `name` as every rank that wrote checkpoint `tag` saved it, by rank (an elastic resume of the data
+    streams needs every old rank's position)."""
+    tag_dir = run_dir / "checkpoints" / tag
+    world_size = json.loads((tag_dir / "rank_00000.json").read_text()).get("world_size", 1)
+    return [_read_states(tag_dir / f"rank_{rank:05d}.json")[name] for rank in range(world_size)]
+
+
 def load_states(resume: dict | None, states: Mapping[str, Stateful]) -> None:
     """Loads each of `states` from the resume point; one it does not carry (a fresh run, or "rng" after a world-size
     change) keeps its current value."""
@@ -182,10 +190,9 @@ def _elastic_resume(ckpt_dir: Path, tag: str, saved_world: int, world_size: int,
     Model and optimizer state come back exactly: the ZeRO partitions are converted once (by rank 0) into DeepSpeed's
     universal checkpoint, `tag/universal`, which any world size loads. The step and counters come from rank 0's state.
     Every saved state but `PER_RANK_STATES` comes from rank 0's, whole: the step, counters and best evaluation of the
-    train state are the same on every rank. The data streams cannot continue where the old ranks left them (each
-    rank's stream depends on the world size): every rank starts its new stream after as many micro-batches as each
-    old rank had drawn (`batches_consumed`, the same on every rank), and the RNGs are not restored (each rank keeps its
-    seed + rank). Refused where DeepSpeed's conversion fails, naming the checkpoint.
+    train state are the same on every rank; the data streams deal out what every old rank's left unread (core/engine/
+    stream.py reads their positions with `saved_states`, data/cursor.py); the RNGs are not restored (each rank keeps
+    its seed + rank). Refused where DeepSpeed's conversion fails, naming the checkpoint.
     """
     states = _read_states(ckpt_dir / tag / "rank_00000.json")
     carried = {name: state for name, state in states.items() if name not in PER_RANK_STATES}

@@ -28,6 +28,7 @@ from core.engine.distributed import all_reduce
 from core.engine.ds_compat import loss_scale, scales_loss_itself, skipped_steps
 from core.engine.schedule import lr_at
 from core.engine.utilisation import start_meter
+from data.cursor import advance
 from data.device import batch_to_device
 
 if TYPE_CHECKING:
@@ -48,7 +49,9 @@ class TrainState:
 
     step: int = 0
     batches_consumed: int = 0
-    """Micro-batches this rank has drawn from its stream: the data position to resume from."""
+    """Micro-batches this rank has drawn from its stream."""
+    data_position: dict | None = None
+    """Where this rank's data streams stand after the last micro-batch drawn (data/cursor.py), to resume from."""
     nonfinite_skipped: int = 0
     consecutive_nonfinite: int = 0
     corrupt_samples: int = 0
@@ -61,6 +64,14 @@ class TrainState:
         """Every field: a field added to the class is saved and resumed (elastic resume included) with no other
         change."""
         return asdict(self)
+
+    def consume(self, batch: dict) -> None:
+        """Counts a micro-batch drawn from the stream and takes its stream's cursor (out of the batch) as the data
+        position; a batch without one (a synthetic stand-in) leaves the position as it is."""
+        self.batches_consumed += 1
+        cursor = batch.pop("cursor", None)
+        if cursor is not None:
+            self.data_position = advance(self.data_position, cursor)
 
     def load_state_dict(self, state: dict) -> None:
         """Sets the fields `state` holds (a checkpoint from before a field existed keeps its default).
@@ -168,7 +179,7 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
             t0 = time.perf_counter()
             batch = next(batches)
             window.data_wait += time.perf_counter() - t0
-            state.batches_consumed += 1
+            state.consume(batch)
             window.corrupt += batch["num_corrupt"]
             out = engine(to_device(batch, device, precision))  # bf16: the engine's autocast (setup.py)
             engine.backward(out["loss"] * loss_scale(engine) if scale_loss else out["loss"])

@@ -163,7 +163,8 @@ def start_engine(run: StageRun, objective: nn.Module | Callable[[], nn.Module]):
         if "from_world_size" in run.resume:
             run.logger.console(
                 f"[mimpipe] world size changed from {run.resume['from_world_size']} to {dist.world_size}: model and "
-                f"optimizer state loaded from {run.resume['load_tag']}; the data streams restart for the new ranks"
+                f"optimizer state loaded from {run.resume['load_tag']}; the new data streams first read what the old "
+                "ones left unread (docs/resume.md)"
             )
     return engine, optimizer
 

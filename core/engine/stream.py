@@ -1,43 +1,90 @@
 """The training stream a stage reads: the recipe's sources, this rank's share, positioned where a resumed run left
-it."""
+it (data/cursor.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from torch.utils.data import DataLoader
 
 from core.config import Config
+from core.engine.checkpoint import saved_states
 from core.engine.distributed import DistInfo
 from data.pipeline import make_train_loader
 from data.specs import train_sources
 
+if TYPE_CHECKING:
+    from core.engine.run import StageRun
 
-def train_stream(
-    cfg: Config, dist: DistInfo, transform: Callable, *, skip_batches: int, labels: bool
-) -> Iterator[dict]:
-    """The endless per-rank training stream, positioned after `skip_batches` micro-batches.
+
+def train_stream(run: StageRun, transform: Callable, *, labels: bool) -> Iterator[dict]:
+    """The endless per-rank training stream of a stage, continuing from the resumed checkpoint's data position.
+
+    `run.state.data_position` becomes the position the streams start from (after an elastic resume, what the old
+    streams left, dealt out to the new ones), so that a checkpoint saved before every worker has given a batch keeps
+    it; the loop then advances it batch by batch (`TrainState.consume`).
+
+    Args:
+        run: The stage: config, ranks, the resume point and its train state.
+        transform: The per-sample training transform.
+        labels: Read each sample's class as `data.label_field` says (fine-tuning); False streams every sample with an
+            image and labels it -1 (pretraining).
+
+    Raises:
+        ValueError: If the resumed checkpoint holds no data position (written before mimpipe saved one).
+    """
+    loader = train_loader(run.cfg, run.dist, transform, labels=labels, positions=_resume_positions(run))
+    run.state.data_position = loader.dataset.position
+    return iter(loader)
+
+
+def train_loader(
+    cfg: Config, dist: DistInfo, transform: Callable, *, labels: bool, positions: list[dict | None] | None
+) -> DataLoader:
+    """The per-rank training loader the recipe's data section describes (see `data.pipeline.make_train_loader`).
 
     Args:
         cfg: The recipe (`data` section, per-device batch size, seed).
         dist: This process's rank and the world size.
         transform: The per-sample training transform.
-        skip_batches: Micro-batches this rank already consumed (`TrainState.batches_consumed`).
-        labels: Read each sample's class as `data.label_field` says (fine-tuning); False streams every sample with an
-            image and labels it -1 (pretraining).
+        labels: See `train_stream`.
+        positions: The data position of each rank of the resumed run, by rank (see `data.cursor.start_position`);
+            None starts afresh.
     """
-    return iter(
-        make_train_loader(
-            train_sources(cfg.data.train),
-            transform=transform,
-            batch_size=cfg.batch_size_per_device(dist.world_size),
-            seed=cfg.seed,
-            rank=dist.rank,
-            world_size=dist.world_size,
-            num_workers=cfg.data.num_workers,
-            shuffle_buffer=cfg.data.shuffle_buffer,
-            resampled=cfg.data.resampled,
-            skip_batches=skip_batches,
-            labels=labels,
-            label_field=cfg.data.label_field,
-            num_open_shards=cfg.data.num_open_shards,
-        )
+    return make_train_loader(
+        train_sources(cfg.data.train),
+        transform=transform,
+        batch_size=cfg.batch_size_per_device(dist.world_size),
+        seed=cfg.seed,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        num_workers=cfg.data.num_workers,
+        shuffle_buffer=cfg.data.shuffle_buffer,
+        resampled=cfg.data.resampled,
+        positions=positions,
+        labels=labels,
+        label_field=cfg.data.label_field,
+        num_open_shards=cfg.data.num_open_shards,
     )
+
+
+def _resume_positions(run: StageRun) -> list[dict | None] | None:
+    """The saved data positions the streams continue from, by rank: with the world size and worker count that wrote
+    the checkpoint this rank's own (from its train state; the other ranks' are not read); otherwise every rank's,
+    read from the checkpoint's rank files. None for a fresh run."""
+    if run.resume is None:
+        return None
+    own = run.state.data_position
+    if own is None and run.state.batches_consumed == 0:
+        return None
+    if own is None:
+        raise ValueError(
+            f"checkpoint {run.run_dir / 'checkpoints' / run.resume['tag']} holds no data position (written before "
+            "mimpipe saved one): its data streams cannot be continued; resume it with the mimpipe that wrote it, or "
+            "start afresh with another run_dir"
+        )
+    same_layout = "from_world_size" not in run.resume and len(own["streams"]) == max(run.cfg.data.num_workers, 1)
+    if same_layout:
+        return [own if rank == run.dist.rank else None for rank in range(run.dist.world_size)]
+    return [train.get("data_position") for train in saved_states(run.run_dir, run.resume["tag"], "train")]

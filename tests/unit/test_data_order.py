@@ -13,11 +13,11 @@ import torch
 
 from core.config import ConfigError, load_config
 from data import pipeline
-from data.order import interleave_shards
+from data.order import TrainOrder
 from data.pipeline import make_train_loader
 from data.specs import WeightedShards, dataset_classes, dataset_size, resolve_shards, train_sources
 from data.transforms import eval_transform
-from tests.launching import MAX_BATCH_CHI2, MAX_MEAN_CHI2, chi_square, write_class_ordered
+from tests.launching import MAX_BATCH_CHI2, MAX_MEAN_CHI2, chi_square, position_after, write_class_ordered
 
 NUM_CLASSES, SHARD_SIZE = 10, 50  # write_class_ordered: 40 per class, 400 samples in 8 shards of 1 or 2 classes
 BATCH = 40
@@ -51,7 +51,7 @@ def test_class_ordered_shards_give_batches_close_to_uniform_and_resume_exactly(o
     assert np.mean(chi2) < MAX_MEAN_CHI2 and max(chi2) < MAX_BATCH_CHI2, chi2
     one_at_a_time = _take(_loader(ordered, num_open_shards=1), 12)
     assert np.mean([chi_square(b["label"].tolist(), NUM_CLASSES) for b in one_at_a_time]) > 2 * MAX_MEAN_CHI2
-    resumed = _take(_loader(ordered, skip_batches=5), 7)
+    resumed = _take(_loader(ordered, positions=[position_after(fresh, 5)]), 7)
     assert [b["key"] for b in resumed] == [b["key"] for b in fresh[5:]]
     assert all(torch.equal(a["image"], b["image"]) for a, b in zip(resumed, fresh[5:], strict=True))
 
@@ -67,6 +67,12 @@ def test_default_shuffle_buffer_holds_the_open_shards_within_a_memory_budget(ord
     assert _loader([str(tmp_path / "lone.tar")]).dataset.shuffle_buffer == 1000  # no index.json beside it
 
 
+def _order(urls: list[str], read, **overrides) -> TrainOrder:
+    """The raw order of stream 0 of 1 over one source of `urls`, unbuffered."""
+    args = dict(rank=0, worker=0, stream_id=0, num_streams=1, resampled=False, num_open=3, shuffle_buffer=0)
+    return TrainOrder([WeightedShards(urls, 1.0)], read, lambda *parts: random.Random(str(parts)), **(args | overrides))
+
+
 def test_interleave_reads_every_sample_once_in_shard_order_with_few_open():
     shards = {f"s{j}": [(j, k) for k in range(j % 4)] for j in range(12)}  # 0 to 3 samples; s0, s4, s8 empty
     reading: set[str] = set()
@@ -79,7 +85,7 @@ def test_interleave_reads_every_sample_once_in_shard_order_with_few_open():
         yield from shards[url]
         reading.discard(url)
 
-    out = list(interleave_shards(iter(shards), read, num_open=3, rng=random.Random(0)))
+    out = list(itertools.islice(_order(list(shards), read), 18))  # one epoch
     assert sorted(out) == sorted(s for samples in shards.values() for s in samples)
     for j in range(12):
         assert [k for i, k in out if i == j] == list(range(j % 4))  # each shard's own order
@@ -88,9 +94,10 @@ def test_interleave_reads_every_sample_once_in_shard_order_with_few_open():
 
 
 def test_interleave_raises_when_an_endless_stream_of_shards_is_empty():
-    urls = itertools.cycle(["a", "b"])
     with pytest.raises(ValueError, match=r"none of the 2 shards a, b holds a sample"):
-        next(interleave_shards(urls, lambda url: iter(()), num_open=2, rng=random.Random(0), num_distinct=2))
+        next(_order(["a", "b"], lambda url: iter(()), resampled=True, num_open=2))
+    with pytest.raises(ValueError, match=r"shards (a, b|b, a) of stream 0 hold no samples"):
+        next(_order(["a", "b"], lambda url: iter(())))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +123,7 @@ def test_mixture_draws_sources_by_weight_in_every_worker_and_resumes_exactly(two
     )
     again = _take(_loader(mixture, resampled=resampled), 24)
     assert [b["key"] for b in again] == [b["key"] for b in fresh]
-    resumed = _take(_loader(mixture, resampled=resampled, skip_batches=9), 15)
+    resumed = _take(_loader(mixture, resampled=resampled, positions=[position_after(fresh, 9)]), 15)
     assert [b["key"] for b in resumed] == [b["key"] for b in fresh[9:]]
     other = _take(_loader(mixture, resampled=resampled, seed=4), 24)
     assert [b["key"] for b in other] != [b["key"] for b in fresh]

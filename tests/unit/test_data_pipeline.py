@@ -2,6 +2,7 @@
 
 import io
 import itertools
+import json
 import logging
 import os
 import random
@@ -21,6 +22,7 @@ from data.pipeline import _sample_seed, make_eval_loader, make_train_loader
 from data.specs import dataset_size, resolve_shards
 from data.transforms import WithMask, eval_transform, pretrain_transform
 from data.write import write_shards
+from tests.launching import position_after
 
 NUM_SHARDS, SHARD_SIZE, NUM_CLASSES, SIZE = 8, 12, 4, 8
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
@@ -157,11 +159,12 @@ def test_eval_loader_sees_every_sample_once(shard_dir, world_size, num_workers, 
 
 
 @pytest.mark.parametrize(("num_workers", "resampled"), [(0, False), (2, False), (2, True)])
-def test_same_arguments_same_batches_and_skip_batches_resumes_exactly(shard_dir, num_workers, resampled):
+def test_same_arguments_same_batches_and_a_saved_position_resumes_exactly(shard_dir, num_workers, resampled):
     shards = resolve_shards(shard_dir)
     fresh = _take(_train(shards, num_workers=num_workers, resampled=resampled), 15)  # 120 samples: past one epoch
     _assert_same_batches(fresh, _take(_train(shards, num_workers=num_workers, resampled=resampled), 15))
-    resumed = _take(_train(shards, num_workers=num_workers, resampled=resampled, skip_batches=9), 6)
+    position = json.loads(json.dumps(position_after(fresh, 9)))  # as a checkpoint's rank file holds it
+    resumed = _take(_train(shards, num_workers=num_workers, resampled=resampled, positions=[position]), 6)
     _assert_same_batches(resumed, fresh[9:])
     other_seed = _take(_train(shards, num_workers=num_workers, resampled=resampled, seed=8), 15)
     assert [b["key"] for b in other_seed] != [b["key"] for b in fresh]
@@ -175,7 +178,7 @@ def test_resampled_ranks_draw_different_streams(shard_dir):
     assert {k for b in rank0 + rank1 for k in b["key"]} <= set(ALL_KEYS)
 
 
-def test_skipped_samples_are_not_decoded_or_transformed(shard_dir):
+def test_a_resumed_stream_decodes_and_transforms_only_its_new_batches(shard_dir):
     calls = []
     transform = eval_transform(SIZE, MEAN, STD, crop_pct=1.0)
 
@@ -183,8 +186,10 @@ def test_skipped_samples_are_not_decoded_or_transformed(shard_dir):
         calls.append(1)
         return transform(image)
 
-    _take(_train(resolve_shards(shard_dir), transform=counting_transform, batch_size=4, skip_batches=5), 2)
-    assert len(calls) <= 2 * 4 + 1  # the two batches plus the one sample the batcher reads ahead; not the 20 skipped
+    shards = resolve_shards(shard_dir)
+    position = position_after(_take(_train(shards, batch_size=4), 5), 5)
+    _take(_train(shards, transform=counting_transform, batch_size=4, positions=[position]), 2)
+    assert len(calls) == 2 * 4  # the two batches, no read-ahead; none of the 20 samples before
 
 
 def test_in_process_loader_leaves_global_rng_untouched(shard_dir):
@@ -298,7 +303,8 @@ def test_blockwise_masks_travel_with_the_batch_and_resume_exactly(shard_dir, num
     fresh = _take(_train(shards, transform=transform, num_workers=num_workers), 6)
     assert fresh[0]["mask"].shape == (8, 4, 4) and fresh[0]["mask"].dtype == torch.bool
     assert all((b["mask"].flatten(1).sum(1) == 6).all() for b in fresh)  # the exact budget in every sample
-    resumed = _take(_train(shards, transform=transform, num_workers=num_workers, skip_batches=4), 2)
+    position = position_after(fresh, 4)
+    resumed = _take(_train(shards, transform=transform, num_workers=num_workers, positions=[position]), 2)
     assert all(torch.equal(a["mask"], b["mask"]) for a, b in zip(resumed, fresh[4:], strict=True))
 
 

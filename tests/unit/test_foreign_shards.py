@@ -22,6 +22,7 @@ from data.pipeline import make_eval_loader, make_train_loader
 from data.specs import dataset_classes, dataset_size, resolve_shards
 from data.transforms import eval_transform, pretrain_transform
 from tests.foreign_shards import CAPTION_ONLY, GOOD_KEYS, LABELS, SIZES, TRUNCATED, encode, write_img2dataset_shards
+from tests.launching import position_after
 
 SIZE = 16
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
@@ -106,17 +107,19 @@ def test_a_missing_label_stops_fine_tuning_naming_key_shard_and_field(tmp_path):
 
 
 def test_resume_is_exact_across_samples_without_an_image(shards):
-    """Shard 0 per epoch: 4 images, then the caption-only sample, counted with the next epoch's first batch. Skipping
-    3 batches of 2 skips 7 raw samples, the caption-only one among them; a count of raw samples would skip 6."""
+    """Shard 0 per epoch: 4 images, then the caption-only sample, counted with the next epoch's first batch. The
+    position after 3 batches of 2 lies past 7 raw samples, the caption-only one among them."""
 
-    def batches(skip: int, num: int) -> list[dict]:
+    def batches(position: dict | None, num: int) -> list[dict]:
         loader = make_train_loader(
             shards[:1], transform=pretrain_transform(SIZE, MEAN, STD), batch_size=2, seed=5, rank=0, world_size=1,
-            num_workers=0, shuffle_buffer=0, resampled=False, labels=False, skip_batches=skip,
+            num_workers=0, shuffle_buffer=0, resampled=False, labels=False,
+            positions=None if position is None else [position],
         )  # fmt: skip
         return list(itertools.islice(iter(loader), num))
 
-    fresh, resumed = batches(0, 6), batches(3, 3)
+    fresh = batches(None, 6)
+    resumed = batches(position_after(fresh, 3), 3)
     assert [int(b["num_corrupt"]) for b in fresh] == [0, 0, 1, 0, 1, 0]
     for a, b in zip(fresh[3:], resumed, strict=True):
         assert a["key"] == b["key"] and torch.equal(a["num_corrupt"], b["num_corrupt"])
