@@ -39,5 +39,11 @@ def train_stream(
             labels=labels,
             label_field=cfg.data.label_field,
             num_open_shards=cfg.data.num_open_shards,
+            read_policy=cfg.data.read_policy(),
         )
     )
+
+
+def num_train_shards(cfg: Config) -> int:
+    """The distinct shards of the recipe's training sources (the skipped-shard budget's floor, data/shard_read.py)."""
+    return len({shard for source in train_sources(cfg.data.train) for shard in source.shards})
