@@ -8,6 +8,8 @@
         after `retries` retries: training (`counts` given) logs one warning line naming the shard and the error,
         counts the shard as skipped and ends it there; evaluation raises, naming the shard (a skipped validation
         shard would change the metric without a word)
+        a shard the stream skipped rests (gives nothing, counts nothing) until the stream has begun reads of all the
+        other shards (`ShardCounts`)
 
 Why a thread: a read that hangs (a stalled connection, a hung network file system, a command that never writes)
 blocks in C; the reader waits on the queue instead, in a DataLoader worker or in the training process alike. A
@@ -97,19 +99,33 @@ class ShardReadPolicy:
 
 class ShardCounts:
     """The shard reads one stream began and skipped: in all (checked against the budget) and since the last `take`
-    (what the stream's next batch reports)."""
+    (what the stream's next batch reports).
+
+    A shard the stream skipped rests until the stream has begun reads of `num_shards - 1` others (about one pass of
+    resampled shards): while it rests, reading it gives no sample and counts nothing. Without the rest, a stream that
+    holds every shard open at once (no more shards than `data.num_open_shards`) would reopen a skipped shard at once,
+    its retries and timeouts again and again.
+    """
 
     def __init__(self, policy: ShardReadPolicy, num_shards: int, where: str) -> None:
         self.policy, self.num_shards, self.where = policy, num_shards, where
         self.num_reads = self.num_skipped = 0
         self._taken = (0, 0)
+        self._skipped_at: dict[str, int] = {}  # url -> num_reads when it was skipped
 
-    def begin(self) -> None:
+    def begin(self, url: str) -> bool:
+        """Counts a read of `url` begun; False, counting nothing, while `url` rests after a skip."""
+        skipped_at = self._skipped_at.get(url)
+        if skipped_at is not None and self.num_reads - skipped_at < self.num_shards - 1:
+            return False
+        self._skipped_at.pop(url, None)
         self.num_reads += 1
+        return True
 
     def skip(self, url: str, why: str) -> None:
         """Counts a skipped shard; raises `TooManySkippedShardsError` past the budget."""
         self.num_skipped += 1
+        self._skipped_at[url] = self.num_reads
         self.policy.check_skipped(self.num_skipped, self.num_reads, self.num_shards, self.where, f"{url}: {why}")
 
     def take(self) -> tuple[int, int]:
@@ -132,16 +148,16 @@ def read_shard(
     Args:
         url: A shard path or URL (`data/specs.py` `resolve_shards`).
         policy: Timeout, retries and backoff.
-        counts: The stream's counts: a shard that fails every try is logged, counted there and ended early. None
-            (evaluation): it raises instead.
+        counts: The stream's counts: a shard that fails every try is logged, counted there and ended early, and
+            gives nothing while it rests (see `ShardCounts`). None (evaluation): it raises instead.
         sleep: Waits the backoff (tests record it).
 
     Raises:
         ShardReadError: A shard that fails every try, without `counts`; or a missing fsspec package.
         TooManySkippedShardsError: From `counts.skip`.
     """
-    if counts is not None:
-        counts.begin()
+    if counts is not None and not counts.begin(url):
+        return
     num_given, num_tries, why = 0, policy.retries + 1, ""
     for attempt in range(num_tries):
         if attempt:

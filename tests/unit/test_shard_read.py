@@ -188,6 +188,25 @@ def test_training_skips_an_unreadable_shard_and_counts_it_in_the_batches(shard_d
     assert sum(int(b["num_skipped_shards"]) for b in batches[:-1]) == 1
 
 
+def test_a_skipped_shard_rests_instead_of_being_reopened_at_once(shard_dir, tmp_path):
+    """Resampled, every shard open at once: without a rest, a skipped shard would be reopened at once (it is the only
+    one not open), again and again. With it, 3 passes over the shards skip it 3 times."""
+    bad = str(_truncated(shard_dir / "train-000000.tar", tmp_path / "train-cut.tar", 0))
+    policy = ShardReadPolicy(timeout_s=5.0, retries=0, backoff_s=0.0, max_skipped_fraction=1.0)
+    loader = make_train_loader(
+        [*resolve_shards(str(shard_dir))[1:], bad], transform=pretrain_transform(SIZE, MEAN, STD), batch_size=6,
+        seed=3, rank=0, world_size=1, num_workers=0, shuffle_buffer=0, resampled=True, read_policy=policy,
+    )  # fmt: skip
+    batches = list(itertools.islice(iter(loader), 3 * 3 * SHARD_SIZE // 6))  # 3 passes over the 36 good samples
+    assert sum(int(b["num_skipped_shards"]) for b in batches) == 3
+    counts = ShardCounts(policy, num_shards=3, where="here")
+    assert counts.begin("a") and counts.begin("b")
+    counts.skip("a", "broken")
+    assert not counts.begin("a")  # resting: nothing counted
+    assert counts.begin("b") and not counts.begin("a") and counts.begin("c") and counts.begin("a")  # 2 others began
+    assert counts.take() == (5, 1)
+
+
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_a_training_stream_that_skips_too_many_shards_stops_naming_the_key(shard_dir, tmp_path, num_workers):
     """Every shard is cut: the second skip is more than 0.25 x max(reads begun, 4 shards), before the stream could
