@@ -57,6 +57,7 @@ def worker(spec: dict) -> None:
     from core.config import load_config
     from core.engine.distributed import init_distributed
     from core.engine.setup import parallelize
+    from data.pipeline import zero_counts
     from pretrain.objectives import objective_builder
 
     world = int(os.environ["WORLD_SIZE"])
@@ -84,7 +85,7 @@ def worker(spec: dict) -> None:
     engine, optimizer = parallelize(objective_builder(cfg), cfg=cfg, dist=dist, run_dir=run_dir)
     built = peak_gib()
     images = torch.randn(spec["per_rank"], 3, spec["size"], spec["size"], generator=torch.Generator().manual_seed(0))
-    batch = {"image": images, "num_corrupt": torch.tensor(0)}  # image: (B, C, H, W)
+    batch = {"image": images, **zero_counts()}  # image: (B, C, H, W)
     marks = []
 
     def batches():

@@ -104,9 +104,11 @@ def make_batch(cfg, objective: str) -> dict:
     """One batch of the stage's shape: image (B, 3, H, W), label (B,) for fine-tuning."""
     import torch
 
+    from data.pipeline import zero_counts
+
     gen = torch.Generator().manual_seed(0)
     size, batch = cfg.model.img_size, cfg.data.global_batch_size
-    out = {"image": torch.randn(batch, 3, size, size, generator=gen), "num_corrupt": torch.tensor(0)}
+    out = {"image": torch.randn(batch, 3, size, size, generator=gen), **zero_counts()}
     if objective == "ft":
         out["label"] = torch.randint(0, NUM_CLASSES, (batch,), generator=gen)
     return out

@@ -222,10 +222,12 @@ def worker(spec_json: str) -> None:
     """Runs one configuration and writes its timings to spec['out'] as JSON."""
     import torch
 
+    from data.pipeline import zero_counts
+
     spec = json.loads(spec_json)
     cfg = build_config(spec)
     images = torch.randn(spec["batch"], 3, spec["size"], spec["size"], generator=torch.Generator().manual_seed(0))
-    batch = {"image": images, "num_corrupt": torch.tensor(0)}  # image: (B, C, H, W)
+    batch = {"image": images, **zero_counts()}  # image: (B, C, H, W)
     clock = Clock()
     extra = {}
     if spec["kind"] == "ceiling":

@@ -31,6 +31,9 @@ from core.sections import (
     TrainSource,
     TrainSpec,
 )
+from data.shard_read import ShardReadPolicy
+
+_READS = ShardReadPolicy()  # the defaults of the data.read_* keys
 
 
 class DataConfig(Section):
@@ -68,11 +71,31 @@ class DataConfig(Section):
     """RandomResizedCrop area range (MAE pretraining: 0.2-1.0)."""
     eval_crop_pct: float = Field(0.875, gt=0.0, le=1.0)
     eval_batch_size_per_device: int = Field(256, gt=0)
+    read_timeout_s: float = Field(_READS.timeout_s, gt=0.0, allow_inf_nan=False)
+    """Longest wait for a shard's next sample, opening it included, before the read counts as failed and is retried
+    (a hung connection, file system or `pipe:` command; docs/shards.md)."""
+    read_retries: int = Field(_READS.retries, ge=0)
+    """Tries after a failed shard read before the shard is given up: a training shard is then skipped (named in the
+    log, counted in `data/skipped_shards`), an evaluation shard stops the run."""
+    read_backoff_s: float = Field(_READS.backoff_s, ge=0.0, allow_inf_nan=False)
+    """Wait before the first retry of a shard, doubled for each next one, each drawn within +-50%."""
+    max_skipped_shard_fraction: float = Field(_READS.max_skipped_fraction, ge=0.0, le=1.0)
+    """Stop the run once more shard reads were skipped than this fraction of max(shard reads begun, distinct
+    training shards), counted over all ranks since the run began; 0 stops at the first skipped shard, 1 never."""
 
     @property
     def is_mixture(self) -> bool:
         """Whether `train` is a mixture of weighted sources."""
         return isinstance(self.train, list) and any(isinstance(s, TrainSource) for s in self.train)
+
+    def read_policy(self) -> ShardReadPolicy:
+        """How every loader of the run reads its shards."""
+        return ShardReadPolicy(
+            timeout_s=self.read_timeout_s,
+            retries=self.read_retries,
+            backoff_s=self.read_backoff_s,
+            max_skipped_fraction=self.max_skipped_shard_fraction,
+        )
 
 
 class OptimConfig(Section):

@@ -19,6 +19,10 @@ Images: a transform with a `normalisation` attribute (data/transforms.py) emits 
 workers in a quarter of float32's shared memory; every batch carries that attribute as "normalise", and
 `data.device.batch_to_device` normalises the images on the device.
 
+Shards: each is read by data/shard_read.py, with a timeout and retries. A training shard that fails every try is
+skipped, logged and counted ("num_shard_reads" and "num_skipped_shards" travel with the batches as "num_corrupt"
+does), and too many skipped shards stop the run; an evaluation shard that fails every try stops the pass.
+
 Samples: any sample with an image field (`jpg`, `jpeg`, `png`, `webp`, `bmp`, any case) streams; its label is read only
 when the loader needs labels (`.cls`, or an integer field of its `.json`), otherwise "label" is -1. Samples with no
 image field and images that do not decode are skipped, logged and counted ("num_corrupt"); a missing label stops.
@@ -50,6 +54,7 @@ from data import wds_compat
 from data.cursor import StreamCursor, start_position
 from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS, decode_rgb, image_field, read_label
 from data.order import TrainOrder
+from data.shard_read import ShardCounts, ShardReadPolicy, read_shard
 from data.specs import WeightedShards, dataset_size, describe_shards, sample_quotas
 
 log = logging.getLogger(__name__)
@@ -80,6 +85,7 @@ def make_train_loader(
     labels: bool = True,
     label_field: str | None = None,
     num_open_shards: int = 8,
+    read_policy: ShardReadPolicy | None = None,
 ) -> DataLoader:
     """An endless, deterministic stream of training batches for one rank.
 
@@ -107,11 +113,14 @@ def make_train_loader(
         label_field: Where labels are read from: None reads `.cls`, a name reads that integer field of the
             sample's `.json` (`data.label_field`).
         num_open_shards: Shards each worker reads at once per source, interleaving their samples at random.
+        read_policy: Timeout, retries and skipped-shard budget of every shard read; None: `ShardReadPolicy()`.
 
     Returns:
         A DataLoader of batch dicts: "image" (B, 3, H, W) (uint8 from our transforms), "label" (B,) int64, "key"
         list of B str, "num_corrupt" int64 scalar (samples without a usable image the producing worker skipped since
-        its last batch), "normalise" with the transform's `normalisation`, "cursor" (`data.cursor.StreamCursor`).
+        its last batch), "num_shard_reads" and "num_skipped_shards" int64 scalars (shard reads the producing worker
+        began, and gave up after its last try, since its last batch), "normalise" with the transform's
+        `normalisation`, "cursor" (`data.cursor.StreamCursor`).
     """
     sources = list(shards) if shards and isinstance(shards[0], WeightedShards) else [WeightedShards(list(shards), 1.0)]
     all_shards = [shard for source in sources for shard in source.shards]
@@ -144,6 +153,7 @@ def make_train_loader(
         position=position,
         labels=labels,
         label_field=label_field,
+        read_policy=read_policy,
     )
     return _make_loader(stream, num_workers)
 
@@ -159,13 +169,15 @@ def make_eval_loader(
     labels: bool = True,
     label_field: str | None = None,
     max_samples: int | None = None,
+    read_policy: ShardReadPolicy | None = None,
 ) -> DataLoader:
     """One pass over the shards in order; across all ranks and workers every sample appears once.
 
     Uses fewer workers when there are fewer than `world_size * num_workers` shards. Each worker's last
     batch may be partial. `max_samples` limits the pass to the first samples of every shard, `max_samples` in all
-    (see `sample_quotas`: the same samples for any world size). Other arguments and batches are as in
-    `make_train_loader`.
+    (see `sample_quotas`: the same samples for any world size). A shard that fails every try of `read_policy` stops
+    the pass (`ShardReadError`): a metric over the shards that happened to read would change without a word. Other
+    arguments and batches are as in `make_train_loader`.
     """
     _check_loader_args(shards, batch_size, 0, rank, world_size, num_workers)
     if len(shards) < world_size:
@@ -174,7 +186,7 @@ def make_eval_loader(
         )
     stream = _ShardStream(
         shards, transform=transform, batch_size=batch_size, seed=0, rank=rank, world_size=world_size, train=False,
-        labels=labels, label_field=label_field,
+        labels=labels, label_field=label_field, read_policy=read_policy,
         quotas=None if max_samples is None else sample_quotas(shards, max_samples),
     )  # fmt: skip
     return _make_loader(stream, min(num_workers, len(shards) // world_size))
@@ -201,6 +213,7 @@ class _ShardStream(IterableDataset):
         sources: list[WeightedShards] | None = None,
         num_open_shards: int = 1,
         quotas: list[int] | None = None,
+        read_policy: ShardReadPolicy | None = None,
     ) -> None:
         super().__init__()
         self.shards, self.transform, self.batch_size = list(shards), transform, batch_size
@@ -210,32 +223,38 @@ class _ShardStream(IterableDataset):
         self.labels, self.label_field = labels, label_field
         self.sources, self.num_open_shards = sources or [WeightedShards(self.shards, 1.0)], num_open_shards
         self.quotas = quotas  # eval: samples (with an image) to read from the start of each shard; None: all
+        self.read_policy = read_policy or ShardReadPolicy()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         loader_worker, num_workers = _worker_position()
         label_of = functools.partial(read_label, label_field=self.label_field) if self.labels else _no_label
-        collate = functools.partial(_collate, normalisation=getattr(self.transform, "normalisation", None))
+        normalisation = getattr(self.transform, "normalisation", None)
         if self.train:
-            return _restore_global_rngs(self._train_batches(loader_worker, num_workers, label_of, collate))
+            return _restore_global_rngs(self._train_batches(loader_worker, num_workers, label_of, normalisation))
         stream_id, num_streams = self.rank * num_workers + loader_worker, self.world_size * num_workers
+        counts = ShardCounts(self.read_policy, len(self.shards), f"by rank {self.rank} data worker {loader_worker}")
+        read = functools.partial(read_shard, policy=self.read_policy, counts=None)  # evaluation stops on a bad shard
         if self.quotas is None:
-            samples = _read_shards(self.shards[stream_id::num_streams])
+            samples = _read_shards(self.shards[stream_id::num_streams], read)
         else:
             own = zip(self.shards[stream_id::num_streams], self.quotas[stream_id::num_streams], strict=True)
-            samples = (sample for url, quota in own for sample in _first_image_samples(_read_shards([url]), quota))
+            samples = (sample for url, quota in own for sample in _first_image_samples(read(url), quota))
         decoded = _decode(samples, self.transform, label_of, (self.seed, _SEED_AUGMENT, self.rank, loader_worker), 0)
+        collate = functools.partial(_collate, normalisation=normalisation, counts=counts)
         return _restore_global_rngs(wds.batched(self.batch_size, collation_fn=collate, partial=True)(decoded))
 
-    def _train_batches(self, loader_worker: int, num_workers: int, label_of, collate) -> Iterator[dict[str, Any]]:
+    def _train_batches(self, loader_worker: int, num_workers: int, label_of, normalisation) -> Iterator[dict[str, Any]]:
         """This stream's endless batches, each with the stream's cursor right after it (see data/cursor.py)."""
         # DataLoader takes batches round-robin from its workers, starting at worker 0 at every iter(). A resumed
         # run must start with the worker whose batch comes next, so DataLoader worker w plays worker (w + next) % W.
         position = self.position or {"next_worker": 0, "streams": [None] * num_workers}
         worker = (loader_worker + position["next_worker"]) % num_workers
         start = position["streams"][worker] or {"index": 0, "order": None}
+        num_shards = len({shard for source in self.sources for shard in source.shards})
+        counts = ShardCounts(self.read_policy, num_shards, f"by rank {self.rank} data worker {worker}")
         order = TrainOrder(
             self.sources,
-            lambda url: _read_shards([url]),
+            functools.partial(read_shard, policy=self.read_policy, counts=counts),  # skips a shard after its tries
             _order_rng(self.seed),
             rank=self.rank,
             worker=worker,
@@ -247,7 +266,9 @@ class _ShardStream(IterableDataset):
             state=start["order"],
         )
         seed_prefix = (self.seed, _SEED_AUGMENT, self.rank, worker)
-        decoded = _decode(order, self.transform, label_of, seed_prefix, start["index"])
+        raw = order if start["order"] is None else _counted_from_here(order, counts)
+        decoded = _decode(raw, self.transform, label_of, seed_prefix, start["index"])
+        collate = functools.partial(_collate, normalisation=normalisation, counts=counts)
         while True:
             samples = list(itertools.islice(decoded, self.batch_size))  # no read-ahead: the cursor is right after
             batch = collate(samples)
@@ -261,13 +282,23 @@ class _ShardStream(IterableDataset):
 wds_compat.install()
 
 
-def _read_shards(urls: Iterator[str] | list[str]) -> Iterator[dict[str, Any]]:
+def _read_shards(
+    urls: Iterator[str] | list[str], read: Callable[[str], Iterator[dict[str, Any]]]
+) -> Iterator[dict[str, Any]]:
     """Raw samples (dicts of bytes keyed by extension, plus `__key__` and `__url__`) of each shard in turn."""
     for url in urls:
-        try:
-            yield from wds.tarfile_samples([{"url": url}])
-        except Exception as exn:
-            raise RuntimeError(f"cannot read shard {url}: {wds_compat.why_unreadable(exn)}") from exn
+        yield from read(url)
+
+
+def _counted_from_here(samples: Iterator[dict[str, Any]], counts: ShardCounts) -> Iterator[dict[str, Any]]:
+    """`samples`, with the shard reads counted before the first one forgotten: a resumed stream reopens the shards
+    its cursor had open (and those of its buffered samples), which the interrupted run counted already."""
+    first = True
+    for sample in samples:
+        if first:
+            counts.take()
+            first = False
+        yield sample
 
 
 def _first_image_samples(samples: Iterator[dict[str, Any]], count: int) -> Iterator[dict[str, Any]]:
@@ -324,16 +355,30 @@ def _decode(
         num_corrupt = 0
 
 
-def _collate(samples: list[dict[str, Any]], normalisation: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+def _collate(
+    samples: list[dict[str, Any]], normalisation: dict[str, torch.Tensor] | None, counts: ShardCounts
+) -> dict[str, Any]:
     """Stacks the transform outputs into (B, ...) tensors; labels (B,) (all -1 without labels), keys, num_corrupt,
-    and the transform's `normalisation` (None: none)."""
+    the shard reads `counts` took since the last batch, and the transform's `normalisation` (None: none)."""
     batch = {name: torch.stack([s[name] for s in samples]) for name in samples[0] if name not in _PER_SAMPLE_FIELDS}
     batch["label"] = torch.tensor([s["label"] for s in samples], dtype=torch.int64)  # (B,)
     batch["key"] = [s["key"] for s in samples]
     batch["num_corrupt"] = torch.tensor(sum(s["num_corrupt"] for s in samples), dtype=torch.int64)
+    num_reads, num_skipped = counts.take()
+    batch["num_shard_reads"] = torch.tensor(num_reads, dtype=torch.int64)
+    batch["num_skipped_shards"] = torch.tensor(num_skipped, dtype=torch.int64)
     if normalisation is not None:
         batch["normalise"] = normalisation
     return batch
+
+
+BATCH_COUNTS = ("num_corrupt", "num_shard_reads", "num_skipped_shards")
+"""The int64 scalars every batch carries: what its producing worker skipped or read since its last batch."""
+
+
+def zero_counts() -> dict[str, torch.Tensor]:
+    """`BATCH_COUNTS`, all 0: for a batch no shard made (a benchmark's or a test's batch fed to the loop)."""
+    return {name: torch.tensor(0, dtype=torch.int64) for name in BATCH_COUNTS}
 
 
 def _seed_global_rngs(seed: int) -> None:

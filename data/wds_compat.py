@@ -11,6 +11,9 @@ Patches (`PATCHES`, by name):
                    `webdataset.gopen.gopen_schemes`, the table gopen looks a URL's handler up in
     curl_errors    http(s):// shards are fetched with `curl -f`; why one failed is read from curl's exit status, in
                    the text of gopen's IOError or from the still-running `Pipe` webdataset appends to the error
+    open_streams   a shard's stream is opened here (`open_shard`) and its tar read by `tar_samples` through
+                   `webdataset.tariterators` (tar_file_expander, group_by_keys), so that the reader of a hung shard
+                   holds the stream (a `Pipe`'s process) it must stop (data/shard_read.py)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import io
 import re
 import subprocess
 import tarfile
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from types import SimpleNamespace
 from typing import Any, NoReturn
 
@@ -50,22 +53,54 @@ class WebDatasetCompatError(RuntimeError):
     """The installed webdataset no longer has an internal that a patch in this module relies on."""
 
 
-def why_unreadable(exn: Exception) -> str:
-    """Why a shard could not be read: in words when curl fetched it and failed, else the error itself.
+class MissingFilesystemError(RuntimeError):
+    """A shard URL's object store needs an fsspec package that is not installed: no retry can help."""
 
-    webdataset reports a failed curl either with its exit status or, when it read the empty stream before curl
-    exited, as an 'empty file' that carries the still-running pipe: then the status is waited for.
+
+def open_shard(url: str) -> Any:
+    """A readable stream of the shard at `url` (a file, a `Pipe` around a command or curl, an fsspec file)."""
+    return _gopen().gopen(url, "rb")
+
+
+def tar_samples(url: str, stream: Any) -> Iterator[dict[str, Any]]:
+    """The raw samples (fields of bytes, `__key__`, `__url__`) of the tar `stream` opened from `url`; errors are
+    raised as webdataset raises them (see `why_unreadable`)."""
+    tariterators = importlib.import_module("webdataset.tariterators")
+    return tariterators.group_by_keys(tariterators.tar_file_expander([{"url": url, "stream": stream}]))
+
+
+def why_unreadable(exn: Exception) -> str:
+    """Why a shard could not be read: in words when curl fetched it or a `pipe:` command failed, else the error's
+    type and own message.
+
+    webdataset reports a failed curl or command either with its exit status or, when it read the empty stream before
+    the process exited, as an 'empty file' that carries the still-running pipe: then the status is waited for.
     """
-    pipe = next((a for a in exn.args if hasattr(a, "proc") and "curl" in str(getattr(a, "args", ""))), None)
-    status = None
+    pipe = next((a for a in exn.args if hasattr(a, "proc")), None)
+    status, curl = None, pipe is not None and "curl" in str(getattr(pipe, "args", ""))
     if pipe is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             status = pipe.proc.wait(timeout=60)
+        if status in getattr(pipe, "ignore_status", [0]):  # e.g. 141: SIGPIPE, the reader closed the stream first
+            status = None
     elif found := re.search(r"\['curl'.*exit (\d+)", str(exn)):
-        status = int(found[1])
+        status, curl = int(found[1]), True
     if not status:
-        return str(exn)
+        return _own_message(exn)
+    if not curl:
+        return f"the command exited with status {status}"
     return f"{_CURL_EXITS.get(status, 'curl failed')} (curl exit {status})"
+
+
+def _own_message(exn: Exception) -> str:
+    """`exn` as "Type: message", without the stream and URL webdataset appends to the arguments of an error raised
+    while reading a tar; a `pipe:` command's failure in words."""
+    text = str(exn)
+    if len(exn.args) > 1 and isinstance(exn.args[0], str):
+        text = re.sub(r" @ <.*>$", "", exn.args[0], flags=re.DOTALL)  # webdataset: "message @ <stream>"
+    if found := re.search(r"\): exit (-?\d+) \(read\)", text):  # gopen's Pipe: "((cmd,), {...}): exit N (read)"
+        return f"the command exited with status {found[1]}"
+    return f"{type(exn).__name__}: {text}"
 
 
 def gopen_fsspec(url: str, mode: str = "rb", bufsize: int = 8192):
@@ -75,7 +110,7 @@ def gopen_fsspec(url: str, mode: str = "rb", bufsize: int = 8192):
     try:
         return fsspec.open(url, mode).open()
     except ImportError as exn:  # fsspec knows the protocol, its implementation (e.g. s3fs) is not installed
-        raise RuntimeError(f"cannot open shard {url}: {exn} (for s3://: pip install 'mimpipe[s3]')") from exn
+        raise MissingFilesystemError(f"cannot open shard {url}: {exn} (for s3://: pip install 'mimpipe[s3]')") from exn
 
 
 def install() -> None:
@@ -129,14 +164,15 @@ def _tar(files: dict[str, bytes]) -> bytes:
 
 
 def _read_probe(patch: str, open_stream: Callable[[], Any]) -> list[dict[str, Any]]:
-    """The samples `wds.tarfile_samples` (what the pipeline reads shards with) reads from a URL of a scheme
+    """The samples `open_shard` and `tar_samples` (what the pipeline reads shards with) read from a URL of a scheme
     registered in gopen_schemes whose handler returns `open_stream()`; the scheme is removed again after."""
     schemes = _attr(patch, _gopen(), "gopen_schemes")
     if not isinstance(schemes, MutableMapping):
         _fail(patch, f"webdataset.gopen.gopen_schemes is a {type(schemes).__name__}, no longer a dict")
     schemes[_PROBE_SCHEME] = lambda url, mode="rb", bufsize=8192, **kw: open_stream()
+    url = f"{_PROBE_SCHEME}://shard.tar"
     try:
-        return list(wds.tarfile_samples([{"url": f"{_PROBE_SCHEME}://shard.tar"}]))
+        return list(tar_samples(url, open_shard(url)))
     finally:
         del schemes[_PROBE_SCHEME]
 
@@ -197,7 +233,23 @@ def _check_curl_errors(patch: str) -> None:
             _fail(patch, f"curl exiting with {_PROBE_STATUS} through {what} is reported as {reason!r}")
 
 
+def _check_open_streams(patch: str) -> None:
+    tariterators = importlib.import_module("webdataset.tariterators")
+    for name in ("tar_file_expander", "group_by_keys"):
+        _attr(patch, tariterators, name)
+    files = {"a.jpg": b"1", "a.cls": b"2", "b.jpg": b"3"}
+    try:
+        samples = list(tar_samples("probe.tar", io.BytesIO(_tar(files))))
+    except Exception as err:  # noqa: BLE001 - any failure means the functions changed
+        _fail(patch, f"an opened tar stream does not read through tar_file_expander and group_by_keys ({err!r})")
+    expected = [{"__key__": "a", "__url__": "probe.tar", "jpg": b"1", "cls": b"2"}]
+    expected.append({"__key__": "b", "__url__": "probe.tar", "jpg": b"3"})
+    if samples != expected:
+        _fail(patch, f"a tar stream read through tar_file_expander and group_by_keys gives {samples!r}")
+
+
 PATCHES: dict[str, Callable[[str], None]] = {
     "gopen_schemes": _check_gopen_schemes,
     "curl_errors": _check_curl_errors,
+    "open_streams": _check_open_streams,
 }

@@ -186,7 +186,7 @@ def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
             return make_eval_loader(
                 resolve_shards(spec), transform=transform, batch_size=knn.batch_size_per_device, rank=dist.rank,
                 world_size=dist.world_size, num_workers=cfg.data.num_workers, label_field=cfg.data.label_field,
-                max_samples=max_samples,
+                max_samples=max_samples, read_policy=cfg.data.read_policy(),
             )  # fmt: skip
         except ValueError as err:  # no such shards, fewer shards than ranks
             raise ValueError(f"{key}: {err}") from err

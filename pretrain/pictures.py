@@ -40,7 +40,7 @@ def fixed_batch(cfg: Config, transform: Callable, device: torch.device, batch_si
     """
     loader = make_eval_loader(
         resolve_shards(cfg.data.train)[:1], transform=transform, batch_size=batch_size, rank=0, world_size=1,
-        num_workers=0, labels=False,
+        num_workers=0, labels=False, read_policy=cfg.data.read_policy(),
     )  # fmt: skip
     return to_device(next(iter(loader)), device, cfg.engine.precision)
 

@@ -27,6 +27,7 @@ from core.engine.compiled import compile_seconds
 from core.engine.distributed import all_reduce
 from core.engine.ds_compat import loss_scale, scales_loss_itself, skipped_steps
 from core.engine.schedule import lr_at
+from core.engine.stream import num_train_shards
 from core.engine.utilisation import start_meter
 from data.cursor import advance
 from data.device import batch_to_device
@@ -55,6 +56,10 @@ class TrainState:
     nonfinite_skipped: int = 0
     consecutive_nonfinite: int = 0
     corrupt_samples: int = 0
+    shard_reads: int = 0
+    """Shard reads the data workers of all ranks began (data/shard_read.py)."""
+    skipped_shards: int = 0
+    """Shard reads given up after the last try: the rest of the shard was skipped (`data/skipped_shards`)."""
     best_top1: float = -1.0
     """Fine-tuning: the best `val/top1` so far (the weights in run_dir/export) and the step it was measured at, kept
     across a resume so that a worse evaluation never overwrites the exported best."""
@@ -181,6 +186,8 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
             window.data_wait += time.perf_counter() - t0
             state.consume(batch)
             window.corrupt += batch["num_corrupt"]
+            window.shard_reads += batch["num_shard_reads"]
+            window.skipped_shards += batch["num_skipped_shards"]
             out = engine(to_device(batch, device, precision))  # bf16: the engine's autocast (setup.py)
             engine.backward(out["loss"] * loss_scale(engine) if scale_loss else out["loss"])
             step_loss += out["loss"].detach().float()
@@ -212,6 +219,9 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
                 values["perf/mfu"] = meter.mfu(values["perf/images_per_sec"])
             logger.scalars(step, values)
             logger.progress(step, values)
+            if dist.is_main and state.skipped_shards:  # the same sums on every rank: one raises, the one error line
+                num_skipped, num_reads = state.skipped_shards, state.shard_reads
+                cfg.data.read_policy().check_skipped(num_skipped, num_reads, num_train_shards(cfg), "over all ranks")
         if not stop:  # a preempted run has seconds left (torchrun's and SLURM's grace): only the checkpoint counts
             extras_start = time.perf_counter()
             _periodic_extras(cfg, step, first_step, total_steps, logger, hooks)
@@ -302,6 +312,8 @@ class _Window:
         self.steps = self.micro_steps = self.samples = 0
         self.data_wait = 0.0
         self.corrupt = torch.zeros((), dtype=torch.int64)
+        self.shard_reads = torch.zeros((), dtype=torch.int64)
+        self.skipped_shards = torch.zeros((), dtype=torch.int64)
         self.start = time.perf_counter()
 
     def add_scalars(self, out: dict) -> None:
@@ -321,7 +333,11 @@ class _Window:
         means = torch.stack([self.loss / self.steps, *(v / self.micro_steps for v in self.extra.values())])
         world = torch.distributed.get_world_size()
         means = all_reduce(means.float()) / world
-        state.corrupt_samples += int(all_reduce(self.corrupt.to(self.device)).item())
+        counts = torch.stack([self.corrupt, self.shard_reads, self.skipped_shards]).to(self.device)
+        corrupt, shard_reads, skipped_shards = all_reduce(counts).tolist()
+        state.corrupt_samples += corrupt
+        state.shard_reads += shard_reads
+        state.skipped_shards += skipped_shards
         values = dict(zip(names, means.tolist(), strict=True))
         values["train/lr"] = lr
         if grad_norm is not None:
@@ -335,5 +351,6 @@ class _Window:
         values["perf/data_wait_fraction"] = self.data_wait / elapsed
         values["perf/max_memory_gb"] = _max_memory_gb(self.device)
         values["data/corrupt_samples"] = float(state.corrupt_samples)
+        values["data/skipped_shards"] = float(state.skipped_shards)
         self._reset()
         return values

@@ -66,6 +66,7 @@ def train_loader(
         labels=labels,
         label_field=cfg.data.label_field,
         num_open_shards=cfg.data.num_open_shards,
+        read_policy=cfg.data.read_policy(),
     )
 
 
@@ -88,3 +89,8 @@ def _resume_positions(run: StageRun) -> list[dict | None] | None:
     if same_layout:
         return [own if rank == run.dist.rank else None for rank in range(run.dist.world_size)]
     return [train.get("data_position") for train in saved_states(run.run_dir, run.resume["tag"], "train")]
+
+
+def num_train_shards(cfg: Config) -> int:
+    """The distinct shards of the recipe's training sources (the skipped-shard budget's floor, data/shard_read.py)."""
+    return len({shard for source in train_sources(cfg.data.train) for shard in source.shards})

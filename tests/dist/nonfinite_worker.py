@@ -18,6 +18,7 @@ from core.engine.loop import LoopHooks, NonFiniteLossError, TrainState, train
 from core.engine.run import StageRun
 from core.engine.setup import parallelize
 from core.logging import MetricsLogger
+from data.pipeline import zero_counts
 from tests.dist.cpu_fp16 import allow_cpu_fp16
 
 NAN_AT = {(3, 1), (5, 0), (6, 0), (7, 1)}  # (step, rank): 3 alone, then 5, 6, 7 in a row -> stop at 7
@@ -66,7 +67,7 @@ def main(out: Path, zero_stage: int, precision: str, sync_every: int) -> None:
         for step in range(1, 100):
             snapshots[step] = [v for p in engine.module.parameters() for v in p.detach().flatten().tolist()]
             scale = float("nan") if (step, dist.rank) in NAN_AT else 1.0
-            yield {"image": torch.randn(2, 4), "scale": torch.tensor(scale), "num_corrupt": torch.tensor(0)}
+            yield {"image": torch.randn(2, 4), "scale": torch.tensor(scale), **zero_counts()}
 
     logger = MetricsLogger(out / "run", enabled=dist.is_main, tensorboard=False, total_steps=8)
     state = TrainState()

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from core.config import ConfigError, dump_config, load_config
+from data.shard_read import ShardReadPolicy
 
 RECIPES = sorted(Path(__file__).resolve().parents[2].glob("recipes/*.yaml"))
 
@@ -164,12 +165,27 @@ def test_base_recipe_is_merged_and_overridden():
         (["engine.zero_stage=2", "engine.offload_param=cpu"], "engine.offload_param needs engine.zero_stage 3"),
         (["engine.zero_stage=0", "engine.offload_optimizer=cpu"], "engine.offload_optimizer needs engine.zero_stage"),
         (["engine.offload_optimizer=nvme"], "engine.offload_optimizer"),
+        (["data.read_timeout_s=0"], "data.read_timeout_s"),
+        (["data.read_retries=-1"], "data.read_retries"),
+        (["data.max_skipped_shard_fraction=1.5"], "data.max_skipped_shard_fraction"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(None, override)
     assert fragment in str(err.value)
+
+
+def test_the_shard_read_keys_make_the_loaders_read_policy():
+    assert load_config(None, []).data.read_policy() == ShardReadPolicy()  # one set of defaults
+    overrides = [
+        "data.read_timeout_s=2.5",
+        "data.read_retries=0",
+        "data.read_backoff_s=0",
+        "data.max_skipped_shard_fraction=1",
+    ]
+    policy = load_config(None, overrides).data.read_policy()
+    assert policy == ShardReadPolicy(timeout_s=2.5, retries=0, backoff_s=0.0, max_skipped_fraction=1.0)
 
 
 def test_unknown_key_in_recipe_file_names_file_and_key(tmp_path):

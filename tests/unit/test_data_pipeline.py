@@ -19,6 +19,7 @@ from data import sources
 from data.device import batch_to_device
 from data.masking import BlockwiseMaskGenerator
 from data.pipeline import _sample_seed, make_eval_loader, make_train_loader
+from data.shard_read import ShardReadError, ShardReadPolicy
 from data.specs import dataset_size, resolve_shards
 from data.transforms import WithMask, eval_transform, pretrain_transform
 from data.write import write_shards
@@ -249,7 +250,8 @@ def test_corrupt_images_are_skipped_counted_and_logged(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
-def test_unreadable_shards_raise_naming_the_shard(shard_dir, tmp_path, num_workers):
+def test_unreadable_shards_stop_an_evaluation_naming_the_shard(shard_dir, tmp_path, num_workers):
+    """After its tries (data/shard_read.py; training skips such a shard instead, tests/unit/test_shard_read.py)."""
     garbage = tmp_path / "garbage.tar"
     garbage.write_bytes(b"this is not a tar file" * 100)
     truncated = tmp_path / "truncated.tar"
@@ -258,9 +260,10 @@ def test_unreadable_shards_raise_naming_the_shard(shard_dir, tmp_path, num_worke
     transform = eval_transform(SIZE, MEAN, STD)
     for shard in (str(garbage), str(truncated)):
         loader = make_eval_loader(
-            [shard], transform=transform, batch_size=4, rank=0, world_size=1, num_workers=num_workers
-        )
-        with pytest.raises(RuntimeError, match=f"cannot read shard {re.escape(shard)}"):
+            [shard], transform=transform, batch_size=4, rank=0, world_size=1, num_workers=num_workers,
+            read_policy=ShardReadPolicy(retries=1, backoff_s=0.0),
+        )  # fmt: skip
+        with pytest.raises(ShardReadError, match=f"cannot read shard {re.escape(shard)}: .* \\(2 tries\\)"):
             list(loader)
 
 

@@ -19,6 +19,7 @@ from core.engine.loop import LoopHooks, TrainState, train
 from core.engine.run import StageRun
 from core.engine.setup import parallelize
 from core.logging import MetricsLogger
+from data.pipeline import zero_counts
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy")
 STEPS = 12
@@ -71,7 +72,7 @@ def test_an_ordinary_step_reads_nothing_back_and_a_sync_step_once(one_rank, tmp_
     def batches():
         while True:
             current[0] += 1  # the loop draws step k's batch first thing in step k
-            yield {"image": torch.randn(2, 4), "num_corrupt": torch.tensor(0)}
+            yield {"image": torch.randn(2, 4), **zero_counts()}
 
     logger = MetricsLogger(tmp_path, enabled=False, tensorboard=False, total_steps=STEPS)
     run = StageRun(cfg, "", one_rank, tmp_path, dump_config(cfg), None, STEPS, 0, None, TrainState(), logger)

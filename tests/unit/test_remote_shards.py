@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from data.pipeline import make_eval_loader, make_train_loader
+from data.shard_read import ShardReadError, ShardReadPolicy
 from data.specs import resolve_shards
 from data.transforms import eval_transform, pretrain_transform
 from data.write import read_index
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+RETRY = ShardReadPolicy(retries=1, backoff_s=0.0)
 
 
 class _QuietHandler(SimpleHTTPRequestHandler):
@@ -71,9 +73,10 @@ def _train_batches(shards: list[str], num_workers: int, num_batches: int = 6) ->
 
 def _eval_batches(shards: list[str], num_workers: int) -> list[dict]:
     transform = eval_transform(16, MEAN, STD, crop_pct=1.0)
-    return list(
-        make_eval_loader(shards, transform=transform, batch_size=50, rank=0, world_size=1, num_workers=num_workers)
+    loader = make_eval_loader(
+        shards, transform=transform, batch_size=50, rank=0, world_size=1, num_workers=num_workers, read_policy=RETRY
     )
+    return list(loader)
 
 
 def _assert_same(a: list[dict], b: list[dict]) -> None:
@@ -104,7 +107,7 @@ def test_pipe_command_shards_stream_like_local_files(shards):
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_missing_url_raises_naming_the_url_and_why(base_url, num_workers):
     url = f"{base_url}/train-999999.tar"  # the server answers 404; curl -f exits 22 with nothing read
-    with pytest.raises(RuntimeError, match=f"cannot read shard {url}: the server answered with an HTTP error .404"):
+    with pytest.raises(ShardReadError, match=f"cannot read shard {url}: the server answered with an HTTP error .404"):
         _eval_batches([url], num_workers)
 
 
@@ -113,7 +116,7 @@ def test_a_port_nobody_listens_on_is_named(base_url):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}/train-000000.tar"
-    with pytest.raises(RuntimeError, match=f"cannot read shard {url}: nothing accepts connections .*curl exit 7"):
+    with pytest.raises(ShardReadError, match=f"cannot read shard {url}: nothing accepts connections .*curl exit 7"):
         _eval_batches([url], 0)
 
 
@@ -137,10 +140,14 @@ def test_fsspec_urls_stream_like_local_files(shards):
 def test_an_object_store_without_its_fsspec_package_names_the_url_and_the_fix(monkeypatch):
     import fsspec
 
+    tries = []
+
     def missing(url, mode):
+        tries.append(url)
         raise ImportError("Install s3fs to access S3")
 
     monkeypatch.setattr(fsspec, "open", missing)
     fix = r"pip install 'mimpipe\[s3\]'"
-    with pytest.raises(RuntimeError, match=rf"cannot read shard s3://bucket/train-000000.tar.*{fix}"):
+    with pytest.raises(ShardReadError, match=rf"cannot read shard s3://bucket/train-000000.tar.*{fix}"):
         _eval_batches(["s3://bucket/train-000000.tar"], num_workers=0)
+    assert len(tries) == 1  # no retry can install a package

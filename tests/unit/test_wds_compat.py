@@ -95,7 +95,7 @@ def _drop_the_stream_from_read_errors(monkeypatch) -> None:
 def test_a_reader_that_drops_the_stream_from_the_error_fails(monkeypatch):
     """The 'empty file' case: the still-running pipe webdataset adds to the error is all that holds curl's status."""
     _drop_the_stream_from_read_errors(monkeypatch)
-    _fails("curl_errors", "through a curl that wrote nothing is reported as \"('empty file'")
+    _fails("curl_errors", "through a curl that wrote nothing is reported as 'ReadError: empty file'")
 
 
 def test_a_pipe_error_without_the_exit_status_fails(monkeypatch):
@@ -108,7 +108,7 @@ def test_a_pipe_error_without_the_exit_status_fails(monkeypatch):
 
     _drop_the_stream_from_read_errors(monkeypatch)
     monkeypatch.setattr(gopen.Pipe, "wait_for_child", wait_for_child)
-    _fails("curl_errors", "through gopen's Pipe is reported as '[Errno pipe")
+    _fails("curl_errors", "through gopen's Pipe is reported as 'OSError: pipe")
 
 
 def test_why_unreadable_names_curls_exit_status_or_passes_the_error_on():
@@ -117,4 +117,28 @@ def test_why_unreadable_names_curls_exit_status_or_passes_the_error_on():
     )
     assert wds_compat.why_unreadable(OSError("(([['curl', 'x']], {}): exit 99 (read)")) == "curl failed (curl exit 99)"
     not_curl = ValueError("empty file", io.BytesIO(), "http://h/x.tar")  # a stream that is no curl pipe
-    assert wds_compat.why_unreadable(not_curl) == str(not_curl)
+    assert wds_compat.why_unreadable(not_curl) == "ValueError: empty file"  # the stream and URL webdataset adds: gone
+    truncated = OSError("unexpected end of data @ <Pipe (('cat x.tar',), {})>", object(), "pipe:cat x.tar")
+    assert wds_compat.why_unreadable(truncated) == "OSError: unexpected end of data"
+    failed = OSError("(('exit 3',), {'shell': True, 'bufsize': 8192}): exit 3 (read) {}", object(), "pipe:exit 3")
+    assert wds_compat.why_unreadable(failed) == "the command exited with status 3"
+    missing = FileNotFoundError(2, "No such file")
+    assert wds_compat.why_unreadable(missing) == "FileNotFoundError: [Errno 2] No such file"
+
+
+def test_a_tar_reader_that_no_longer_groups_files_by_key_fails(monkeypatch):
+    """Every file of a tar would arrive as a sample of its own."""
+    tariterators = importlib.import_module("webdataset.tariterators")
+
+    def one_sample_per_file(data, **kw):
+        for file in data:
+            if file:
+                yield {"__key__": file["fname"], "__url__": file["__url__"], "data": file["data"]}
+
+    monkeypatch.setattr(tariterators, "group_by_keys", one_sample_per_file)
+    _fails("open_streams", "a tar stream read through tar_file_expander and group_by_keys gives")
+
+
+def test_a_missing_tar_expander_fails(monkeypatch):
+    monkeypatch.delattr(importlib.import_module("webdataset.tariterators"), "tar_file_expander")
+    _fails("open_streams", "webdataset.tariterators.tar_file_expander is missing")
