@@ -203,7 +203,7 @@ def _space_short(engine, ckpt_dir: Path, latest: str | None) -> str | None:
     need = checkpoint_bytes(ckpt_dir / latest) if latest is not None else None
     if need is None:
         need = BYTES_PER_PARAM * sum(math.prod(ds_compat.full_shape(p)) for p in engine.module.parameters())
-    free = shutil.disk_usage(ckpt_dir).free
+    free = shutil.disk_usage(next(p for p in (ckpt_dir, *ckpt_dir.parents) if p.exists())).free  # before a first save
     if free >= need * FREE_SPACE_MARGIN:
         return None
     return f"{free / 2**30:.2f} GiB free in {ckpt_dir}, a checkpoint takes about {need / 2**30:.2f} GiB"
