@@ -192,6 +192,7 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
         if spike is not None and roll_back(run, engine, step, spike):  # before this step is logged or saved
             if stop:
                 raise PreemptedError(_preempted(step, total_steps, f"rolled back to step {state.step} after {spike}"))
+            window.drop_steps()
             step = state.step + 1
             continue
         log_now = log_now or stop  # the last step before a preemption is logged too
@@ -208,9 +209,10 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
         save_due, saved = save_due or save_now, None
         if stop or (save_due and read_now):
             saved = _save_unless_nonfinite(run, engine, step, preempted=stop)
-            save_due = save_due and saved is None
+            save_due = saved is None  # deferred; a save that failed (a full disk) waits for the next checkpoint step
         if stop:
-            raise PreemptedError(_preempted(step, total_steps, f"with checkpoint {saved.tag_dir}" if saved else None))
+            where = f"with checkpoint {saved.tag_dir}" if saved is not None and saved.tag_dir is not None else None
+            raise PreemptedError(_preempted(step, total_steps, where))
         if first is not None:
             logger.mark_start(step)  # keep the first step's one-off set-up cost out of the ETA
             first = None
@@ -219,8 +221,9 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
 
 
 def _save_unless_nonfinite(run: StageRun, engine, step: int, *, preempted: bool) -> SaveOutcome | None:
-    """The checkpoint of `step`, unless the step is part of a non-finite streak (then None: deferred to the next read
-    step without one; a preemption saves all the same, its skipped updates left the weights finite)."""
+    """The checkpoint of `step` (its outcome: saved, or skipped or failed, said on the console), unless the step is
+    part of a non-finite streak: then None, deferred to the next read step without one (a preemption saves all the
+    same: the skipped updates left the weights finite)."""
     if run.state.consecutive_nonfinite and not preempted:
         run.logger.console(
             f"[mimpipe] checkpoint of step {step} deferred: {run.state.consecutive_nonfinite} non-finite step(s) in a "
@@ -238,7 +241,7 @@ def _save_unless_nonfinite(run: StageRun, engine, step: int, *, preempted: bool)
     )
     if saved.note is not None:
         run.logger.console(saved.note)
-    return saved if saved.tag_dir is not None else None
+    return saved
 
 
 def _preempted(step: int, total_steps: int, checkpoint: str | None) -> str:
@@ -328,6 +331,13 @@ class _Window:
         self.data_wait = 0.0
         self.corrupt = torch.zeros((), dtype=torch.int64)
         self.start = time.perf_counter()
+
+    def drop_steps(self) -> None:
+        """Forget the losses and scalars of the steps a rollback undid (the samples and time still count: they were
+        trained on)."""
+        self.loss = torch.zeros((), device=self.device)
+        self.extra = {}
+        self.steps = self.micro_steps = 0
 
     def add_scalars(self, out: dict) -> None:
         self.micro_steps += 1
