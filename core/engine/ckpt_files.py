@@ -122,13 +122,16 @@ def choose_resume(ckpt_dir: Path) -> tuple[str | None, str | None]:
     latest = read_latest(ckpt_dir)
     if latest is not None and why_incomplete(ckpt_dir / latest) is None:
         return latest, None
+    folders = tag_folders(ckpt_dir)
+    if latest is not None and (ckpt_dir / latest).is_dir() and not any((p / COMPLETE).exists() for _, p in folders):
+        return latest, None  # written before markers existed: `latest` was only ever moved to a finished save
     if latest is not None:
         problem = f"{ckpt_dir / LATEST} names {latest}, which cannot be loaded: {why_incomplete(ckpt_dir / latest)}"
     elif (ckpt_dir / LATEST).exists():
         problem = f"{ckpt_dir / LATEST} is unreadable or names no checkpoint"
     else:
         problem = f"{ckpt_dir / LATEST} is missing"
-    complete = [p for _, p in reversed(tag_folders(ckpt_dir)) if p.name != latest and why_incomplete(p) is None]
+    complete = [p for _, p in reversed(folders) if p.name != latest and why_incomplete(p) is None]
     if not complete:
         if latest is None and not (ckpt_dir / LATEST).exists():
             return None, None  # a fresh run

@@ -51,8 +51,9 @@ class Guarded:
     def step(self, closure=None):
         if self.skip is True:  # known on the host (the guard around deepspeed.initialize): nothing to measure
             return None
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        device = self.param_groups[0]["params"][0].device
+        params = [p for group in self.param_groups for p in group["params"]]  # ZeRO-3: one group's sub-group filled
+        grads = [p.grad for p in params if p.grad is not None]
+        device = params[0].device
         sq_norm = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros((), device=device)
         if self.reduce_norm:
             sq_norm = all_reduce(sq_norm.float())

@@ -2,6 +2,7 @@
 and the loss-spike judgement of core/engine/rollback.py."""
 
 import json
+import math
 from collections import deque
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from core.engine.ckpt_files import (
     COMPLETE,
     LATEST,
+    checkpoint_bytes,
     choose_resume,
     prune,
     step_of,
@@ -69,10 +71,16 @@ def test_latest_is_resumed_when_complete_even_with_newer_folders(tmp_path):
     assert choose_resume(tmp_path) == ("step_00000004", None)
 
 
+def test_a_run_dir_from_before_the_markers_resumes_from_latest(tmp_path):
+    _tag(tmp_path, 4, complete=False)
+    _tag(tmp_path, 8, complete=False)
+    (tmp_path / LATEST).write_text("step_00000004")
+    assert choose_resume(tmp_path) == ("step_00000004", None)
+
+
 def test_nothing_complete_starts_from_scratch_with_a_line_but_a_fresh_run_says_nothing(tmp_path):
     assert choose_resume(tmp_path) == (None, None)
-    _tag(tmp_path, 4, complete=False)
-    (tmp_path / LATEST).write_text("step_00000004")
+    (tmp_path / LATEST).write_text("step_00000004")  # names a folder that is gone
     tag, note = choose_resume(tmp_path)
     assert tag is None and "no other checkpoint is complete; starting from scratch" in note
 
@@ -103,3 +111,18 @@ def test_a_spike_is_judged_against_a_full_window_only():
     history.append(1.2)
     assert not is_spike(history, 6.7, factor=5)  # median 1.35: 6.75 is the threshold
     assert is_spike(history, 6.8, factor=5)
+
+
+def test_a_save_is_skipped_when_the_disk_cannot_take_the_previous_checkpoints_size(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from core.engine import checkpoint
+
+    need = checkpoint_bytes(_tag(tmp_path / "checkpoints", 4))  # from its marker
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 0, math.ceil(need * 1.1)))
+    assert checkpoint._space_short(None, tmp_path / "checkpoints", "step_00000004") is None
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 0, need))
+    short = checkpoint._space_short(None, tmp_path / "checkpoints", "step_00000004")
+    assert short.startswith("0.00 GiB free in ") and short.endswith("checkpoints, a checkpoint takes about 0.00 GiB")
