@@ -164,6 +164,16 @@ class EngineConfig(Section):
     max_consecutive_nonfinite: int = Field(10, gt=0)
     """Stop after this many optimizer steps in a row skipped for a non-finite loss (checked every
     `sync_every_steps`)."""
+    spike_factor: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    """Loss-spike recovery (docs/numerical_faults.md): when a step's loss (mean over the ranks) or global gradient
+    norm exceeds this many times its median over the previous `spike_window` steps, every rank rolls back to the
+    last good checkpoint and trains on with the data after the spike. 0 (the default) turns it off: a factor too
+    close to the run's normal fluctuation would roll a healthy run back; 10 suits a long run. Checked at the read
+    steps (`sync_every_steps`)."""
+    spike_window: int = Field(50, ge=2)
+    """The steps whose median a loss or gradient norm is compared with; the first ones of a run judge nothing."""
+    max_rollbacks: int = Field(3, ge=0)
+    """Stop (exit code 3, one line) at a spike after this many rollbacks."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when torch sees a GPU, else the CPU, but refused on a node whose GPUs torch cannot use
     (core/gpus.py); cpu: the CPU even on a GPU node."""

@@ -39,21 +39,33 @@ class MetricsLogger:
     ):
         self.enabled = enabled
         self.total_steps = total_steps
+        self._run_dir, self._tensorboard = run_dir, tensorboard
         self._writer = None
         self._jsonl = None
         self._start = time.perf_counter()
         self._start_step = 0
-        if not enabled:
-            return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            cut_metrics(run_dir / "metrics.jsonl", resume_step)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115  (closed in close())
-        if tensorboard:
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._open(resume_step)
+
+    def _open(self, last_step: int | None) -> None:
+        """Open metrics.jsonl and the TensorBoard writer, first dropping what was logged after `last_step` (None:
+        keep everything)."""
+        if last_step is not None:
+            cut_metrics(self._run_dir / "metrics.jsonl", last_step)
+        self._jsonl = open(self._run_dir / "metrics.jsonl", "a")  # noqa: SIM115  (closed in close())
+        if self._tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            purge = None if resume_step is None else resume_step + 1
-            self._writer = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge)
+            purge = None if last_step is None else last_step + 1
+            self._writer = SummaryWriter(log_dir=str(self._run_dir / "tb"), purge_step=purge)
+
+    def rewind(self, step: int) -> None:
+        """Drop what was logged after `step`, as a resume from it does: a rollback (core/engine/rollback.py) trains
+        those steps again, and each step is logged once."""
+        if self.enabled:
+            self.close()
+            self._open(step)
 
     def mark_start(self, step: int) -> None:
         """Restart the ETA clock (after resume, or after the first step's warm-up)."""

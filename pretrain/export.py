@@ -12,7 +12,7 @@ import torch
 
 from core.config import Config, load_config
 from core.engine import ds_compat
-from core.engine.checkpoint import LATEST
+from core.engine.ckpt_files import choose_resume
 from core.engine.fp16 import zero0_masters_from_checkpoint
 from core.engine.gather import export_state_dict
 
@@ -57,10 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_dir = args.run_dir / "checkpoints"
     if args.step is not None:
         tag = f"step_{args.step:08d}"
-    elif (ckpt_dir / LATEST).is_file():
-        tag = (ckpt_dir / LATEST).read_text().strip()
     else:
-        raise SystemExit(f"no checkpoint in {ckpt_dir} (no {LATEST} file)")
+        tag, note = choose_resume(ckpt_dir)  # what a relaunch would resume from
+        if note is not None:
+            print(note)
+        if tag is None:
+            raise SystemExit(f"no complete checkpoint in {ckpt_dir}")
     if not (ckpt_dir / tag).is_dir():
         raise SystemExit(f"no checkpoint {ckpt_dir / tag}")
     cfg = load_config(ckpt_dir / tag / "config.yaml")

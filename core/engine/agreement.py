@@ -3,10 +3,11 @@
 A host read (`.item()`, `.tolist()`) waits until the device has run everything queued before it, so a read on every
 step leaves a GPU idle while the host queues the next step's work. The decisions that must be taken at every step
 stay on the device: whether any rank's loss was non-finite is an all-reduced 0-d tensor, which the fused optimizer
-takes as its `found_inf` to skip the update (core/engine/setup.py `Guarded`), and the streak counters follow it on
-the device. What the host must know (whether a rank was asked to stop, whether the streak is too long to go on) is
-read together in one all-reduce and one `.tolist()`, at steps every rank picks alike (core/engine/loop.py: logging,
-checkpoint and last steps, and every `engine.sync_every_steps`).
+takes as its `found_inf` to skip the update (core/engine/setup.py `Guarded`, which also skips it for non-finite
+gradients under a finite loss), and the streak counters follow both on the device. What the host must know
+(whether a rank was asked to stop, whether the streak is too long to go on) is read together in one all-reduce and
+one `.tolist()`, at steps every rank picks alike (core/engine/loop.py: logging, checkpoint and last steps, and every
+`engine.sync_every_steps`); the loss-spike watch (core/engine/rollback.py) reads its values at the same steps.
 """
 
 from __future__ import annotations
@@ -28,16 +29,31 @@ class StepAgreement:
     def __init__(self, device: torch.device, state: TrainState):
         self.device = device
         self.skipped = torch.zeros((), device=device)
-        """Steps skipped for a non-finite loss since the last read."""
+        """Steps skipped for a non-finite loss or non-finite gradients since the last read."""
         self.streak = torch.tensor(float(state.consecutive_nonfinite), device=device)
         """Non-finite steps in a row up to now (carried over from a resumed checkpoint)."""
         self.longest = self.streak.clone()
         """The longest streak since the last read: one that ended between two reads still stops the run."""
 
-    def nonfinite(self, step_loss: torch.Tensor) -> torch.Tensor:
+    def nonfinite_loss(self, step_loss: torch.Tensor) -> torch.Tensor:
         """Whether any rank's `step_loss` (a 0-d tensor) is non-finite: 1.0 or 0.0, the same on every rank, left on
-        the device (no host sync; one all-reduce of one value)."""
-        bad = all_reduce((~torch.isfinite(step_loss)).float(), op="max")
+        the device (no host sync; one all-reduce of one value). The optimizer skips the update on it."""
+        return all_reduce((~torch.isfinite(step_loss)).float(), op="max")
+
+    def record(self, bad_loss: torch.Tensor, optimizer, precision: str) -> torch.Tensor:
+        """Count the step just taken in the skipped steps and the streak when its loss or its gradients were
+        non-finite (`optimizer`: the Guarded one, which checked the gradients on every rank); returns that flag.
+
+        fp16: DeepSpeed's optimizer skips an overflow itself (a normal event of loss scaling, not counted); else an
+        optimizer never called inside the step means DeepSpeed skipped it for a non-finite gradient norm it
+        computed to clip.
+        """
+        if precision == "fp16":
+            bad = bad_loss
+        elif optimizer.nonfinite is None:
+            bad = torch.ones((), device=self.device)
+        else:
+            bad = torch.maximum(bad_loss, optimizer.nonfinite)
         self.skipped += bad
         self.streak = (self.streak + 1.0) * bad  # a finite step ends the streak
         self.longest = torch.maximum(self.longest, self.streak)

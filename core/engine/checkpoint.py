@@ -3,16 +3,19 @@ ZeRO holds them) plus, per rank, a JSON file with every other `Stateful` the run
 step, counters and data-stream position of `TrainState`, and "rng", every RNG state); the resolved config sits
 beside them as YAML.
 
-Write order: all ranks save their shards -> barrier -> rank 0 replaces `latest` atomically -> old tags are pruned.
-A crash at any point leaves `latest` naming a complete checkpoint.
-Resume order (see `find_resume`): the run_dir's own `latest`, else training starts from scratch (an `init`
-checkpoint, if any, is applied by the stage before this).
+Write order (`save_checkpoint`): every rank writes and fsyncs its own files (DeepSpeed's shards, its state JSON) ->
+they exchange what they wrote (a barrier) -> rank 0 fsyncs the folder, writes the completeness marker `complete`
+(ckpt_files.py) and replaces `latest` atomically -> old and incomplete tags are pruned. A crash, or a full disk, at
+any point leaves `latest` naming a complete checkpoint.
+Resume order (see `find_resume`): the run_dir's own `latest`, or the newest complete checkpoint when that one cannot
+be loaded, else training starts from scratch (an `init` checkpoint, if any, is applied by the stage before this).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import random
 import shutil
@@ -28,11 +31,26 @@ import numpy as np
 import torch
 
 from core.engine import ds_compat
+from core.engine.ckpt_files import (
+    COMPLETE,
+    LATEST,
+    atomic_write,
+    checkpoint_bytes,
+    choose_resume,
+    prune,
+    read_latest,
+    tag_of,
+    write_marker,
+)
 from core.engine.distributed import DistInfo, barrier
 from core.engine.failure import PeerLostError
 from core.engine.fp16 import MASTER_NAMES, zero0_master_names
 
-LATEST = "latest"
+FREE_SPACE_MARGIN = 1.1
+"""A save goes ahead only with this many times the previous checkpoint's size free (the new one is written before
+the oldest is pruned)."""
+BYTES_PER_PARAM = 16
+"""The size of a first checkpoint, per parameter: fp32 weights, and AdamW's fp32 master copy and two moments."""
 CONVERSION_HEARTBEAT_S = 10.0
 """How often rank 0 shows the other ranks that it is still converting a checkpoint to the universal format."""
 CONVERSION_STALE_S = 300.0
@@ -48,14 +66,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    with open(tmp) as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class RNGState:
@@ -92,8 +102,14 @@ class RNGState:
                 torch.cuda.set_rng_state(unb64(cuda))
 
 
-def _tag(step: int) -> str:
-    return f"step_{step:08d}"
+@dataclass(frozen=True)
+class SaveOutcome:
+    """What became of one save, the same on every rank."""
+
+    tag_dir: Path | None
+    """The complete checkpoint written; None when the save was skipped or failed (`latest` names the one before)."""
+    note: str | None = None
+    """The console line of a skipped or failed save."""
 
 
 def save_checkpoint(
@@ -105,31 +121,122 @@ def save_checkpoint(
     states: Mapping[str, Stateful],
     config_yaml: str,
     keep_last: int,
-) -> Path:
-    """Save model and optimizer (DeepSpeed) and each of `states` under its name; returns the tag directory."""
+) -> SaveOutcome:
+    """Save model and optimizer (DeepSpeed) and each of `states` under its name, complete or not at all.
+
+    Skipped (the run goes on, `latest` unchanged) when some rank's filesystem has less free space than the previous
+    checkpoint took (`FREE_SPACE_MARGIN`); a write that fails on any rank (a full disk) removes the partial folder
+    and leaves `latest` where it was. Collective: every rank calls it at the same step.
+    """
     ckpt_dir = run_dir / "checkpoints"
-    tag = _tag(step)
+    tag_dir = ckpt_dir / tag_of(step)
+    latest = read_latest(ckpt_dir)
+    if dist.is_main:  # left by an earlier attempt at this step (killed mid-save, or a run that fell back before it)
+        shutil.rmtree(tag_dir, ignore_errors=True)
+    # the gather is also the barrier that keeps the other ranks from writing before the folder is gone
+    short = next(filter(None, _all_gather(_space_short(engine, ckpt_dir, latest))), None)
+    if short is not None:
+        return SaveOutcome(None, f"[mimpipe] warning: checkpoint of step {step} skipped: {short}; {_still(latest)}")
+    written, errors = _write_tag(engine, tag_dir, step, dist, states, config_yaml)
+    reports = _all_gather((written, [f"rank {dist.rank}: {err}" for err in errors]))  # every rank fsynced its files
+    failed = [error for _, rank_errors in reports for error in rank_errors]
+    outcome = SaveOutcome(tag_dir)
+    if failed:
+        outcome = SaveOutcome(None, f"[mimpipe] warning: checkpoint of step {step} failed ({failed[0]}); ")
+    elif dist.is_main:
+        outcome = _commit(ckpt_dir, tag_dir, {name: n for files, _ in reports for name, n in files.items()}, keep_last)
+    if outcome.tag_dir is None:
+        if dist.is_main:
+            shutil.rmtree(tag_dir, ignore_errors=True)
+        outcome = SaveOutcome(None, outcome.note + f"partial folder removed, {_still(latest)}")
+    return _broadcast(outcome)
+
+
+def _still(latest: str | None) -> str:
+    return f"checkpoints/latest still names {latest}" if latest else "no checkpoint to resume from yet"
+
+
+def _write_tag(engine, tag_dir: Path, step: int, dist: DistInfo, states, config_yaml: str):
+    """This rank's files of the tag, each fsynced: DeepSpeed's, then its states (and on rank 0 the config).
+
+    Returns:
+        ({file name: bytes} written, the OSErrors of the writes that failed).
+    """
     client_state = {"step": step}
     if engine.fp16_enabled() and engine.zero_optimization_stage() == 0:
         client_state[MASTER_NAMES] = zero0_master_names(engine)  # lets an offline export name the fp32 weights
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    tag_dir = ckpt_dir / tag
+    written: dict[str, int] = {}
+    errors: list[OSError] = []
+    with ds_compat.recorded_writes(engine, written, errors):
+        try:
+            engine.save_checkpoint(str(tag_dir.parent), tag=tag_dir.name, client_state=client_state, save_latest=False)
+        except OSError as err:  # rank 0 copying DeepSpeed's recovery scripts, after its files, before its last barrier
+            errors.append(err)
+            barrier()  # the barrier DeepSpeed's save skipped, which the other ranks are waiting in
     saved = {"world_size": dist.world_size, **{name: stateful.state_dict() for name, stateful in states.items()}}
-    _atomic_write(tag_dir / f"rank_{dist.rank:05d}.json", json.dumps(saved))
-    if dist.is_main:
-        _atomic_write(tag_dir / "config.yaml", config_yaml)
-    barrier()
-    if dist.is_main:
-        _atomic_write(ckpt_dir / LATEST, tag)
-        tags = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
-        for old in tags[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return tag_dir
+    own = {f"rank_{dist.rank:05d}.json": json.dumps(saved), **({"config.yaml": config_yaml} if dist.is_main else {})}
+    for name, text in own.items():
+        try:
+            atomic_write(tag_dir / name, text)
+            written[name] = (tag_dir / name).stat().st_size
+        except OSError as err:
+            errors.append(err)
+    return written, errors
+
+
+def _commit(ckpt_dir: Path, tag_dir: Path, files: dict[str, int], keep_last: int) -> SaveOutcome:
+    """Rank 0, once every rank has written and fsynced its files: the marker, then `latest`, then the pruning."""
+    try:
+        write_marker(tag_dir, files)
+        atomic_write(ckpt_dir / LATEST, tag_dir.name)
+    except OSError as err:
+        (tag_dir / COMPLETE).unlink(missing_ok=True)
+        return SaveOutcome(None, f"[mimpipe] warning: checkpoint {tag_dir.name} could not be marked complete ({err}); ")
+    prune(ckpt_dir, keep_last, keep={tag_dir.name})
+    return SaveOutcome(tag_dir)
+
+
+def _space_short(engine, ckpt_dir: Path, latest: str | None) -> str | None:
+    """Why this rank's filesystem cannot take the next checkpoint, or None. Its size is the previous checkpoint's
+    (from its marker), else `BYTES_PER_PARAM` per parameter; every rank checks for the whole checkpoint, as on the
+    shared filesystem a run_dir normally sits on."""
+    need = checkpoint_bytes(ckpt_dir / latest) if latest is not None else None
+    if need is None:
+        need = BYTES_PER_PARAM * sum(math.prod(ds_compat.full_shape(p)) for p in engine.module.parameters())
+    free = shutil.disk_usage(next(p for p in (ckpt_dir, *ckpt_dir.parents) if p.exists())).free  # before a first save
+    if free >= need * FREE_SPACE_MARGIN:
+        return None
+    return f"{free / 2**30:.2f} GiB free in {ckpt_dir}, a checkpoint takes about {need / 2**30:.2f} GiB"
+
+
+def _all_gather(value) -> list:
+    """Every rank's `value` (picklable), in rank order; [value] without a process group."""
+    if not torch.distributed.is_initialized():
+        return [value]
+    values = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def _broadcast(value):
+    """Rank 0's `value` on every rank."""
+    if not torch.distributed.is_initialized():
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def best_checkpoint(run_dir: Path, dist: DistInfo) -> str | None:
+    """The checkpoint a resume would load now (`latest`, or the newest complete one), decided by rank 0 for all."""
+    tag, _ = _broadcast(choose_resume(run_dir / "checkpoints") if dist.is_main else None)
+    return tag
 
 
 def find_resume(run_dir: Path, rank: int, world_size: int, step: int | None = None) -> dict | None:
-    """Where to resume from `latest` (or the given step), or None for a fresh run.
+    """Where to resume from: the checkpoint `latest` names, or the newest complete one when that one cannot be
+    loaded (rank 0 decides, from the files, for every rank; it prints one line naming both), or the given step.
+    None for a fresh run.
 
     Returns:
         "tag", "load_tag" (what `load_checkpoint` gives DeepSpeed), "universal", and "states": this rank's saved
@@ -142,11 +249,14 @@ def find_resume(run_dir: Path, rank: int, world_size: int, step: int | None = No
     """
     ckpt_dir = run_dir / "checkpoints"
     if step is not None:
-        tag = _tag(step)
-    elif (ckpt_dir / LATEST).is_file():
-        tag = (ckpt_dir / LATEST).read_text().strip()
+        tag = tag_of(step)
     else:
-        return None
+        local = rank == 0 or not torch.distributed.is_initialized()
+        tag, note = _broadcast(choose_resume(ckpt_dir) if local else None)
+        if note is not None and rank == 0:
+            print(note, flush=True)
+        if tag is None:
+            return None
     first = ckpt_dir / tag / f"rank_{0:05d}.json"
     saved_world = json.loads(first.read_text()).get("world_size", world_size) if first.is_file() else world_size
     if saved_world != world_size:
@@ -228,7 +338,7 @@ def _convert_once(tag_dir: Path, rank: int, why: str) -> None:
     returncode, output = _run_with_heartbeat(ds_compat.universal_command(tag_dir, tmp), files.heartbeat)
     if returncode != 0:
         message = f"checkpoint {tag_dir} {why}, and converting it to a universal checkpoint failed:\n{output}"
-        _atomic_write(files.failed, message)
+        atomic_write(files.failed, message)
         raise ValueError(message)
     os.replace(tmp, files.universal)
 
@@ -239,7 +349,7 @@ def _run_with_heartbeat(command: list[str], heartbeat: Path) -> tuple[int, str]:
     proc = subprocess.Popen(command, stdout=PIPE, stderr=PIPE, text=True)
     beat = 0
     while True:
-        _atomic_write(heartbeat, str(beat))
+        atomic_write(heartbeat, str(beat))
         try:
             stdout, stderr = proc.communicate(timeout=CONVERSION_HEARTBEAT_S)  # retrying it loses no output
         except subprocess.TimeoutExpired:

@@ -19,6 +19,7 @@ Patches (`PATCHES`, by name):
     zero0_fp16_masters         the ZeRO-0 fp16 optimizer's fp16_groups / fp32_groups, in memory and in checkpoints
     fp16_skipped_steps         DeepSpeedEngine.skipped_steps counts the fp16 steps an overflow skipped, checkpointed
     checkpoint_files           mp_rank_00_model_states.pt, zero_pp_rank_* shards, ds_to_universal's flags
+    checkpoint_writes          every file of a tag is written through engine.checkpoint_engine.save, recorded
 
 DeepSpeed is imported inside the functions, as elsewhere in the engine: importing it takes seconds.
 """
@@ -29,6 +30,7 @@ import contextlib
 import fnmatch
 import importlib
 import inspect
+import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -470,6 +472,42 @@ def _check_checkpoint_files(patch: str) -> None:
     _method(patch, converter, "parse_arguments", strings=(*_UNIVERSAL_FLAGS, "--inject_missing_state"))
 
 
+# checkpoint_writes: DeepSpeed writes every file of a tag through `engine.checkpoint_engine.save(state_dict, path)`
+# (the model states, each rank's ZeRO shards); the recovery scripts it copies beside them are not needed to resume.
+
+
+@contextlib.contextmanager
+def recorded_writes(engine, written: dict[str, int], errors: list[OSError]):
+    """While the block runs, every file `engine` saves is fsynced and recorded in `written` ({name: bytes}); a write
+    that fails with an OSError (a full disk) is recorded in `errors` instead of raised, so that DeepSpeed goes on
+    through the collectives of its save (a rank that raised would leave the others waiting at its barriers)."""
+    ckpt_engine = engine.checkpoint_engine
+    save = ckpt_engine.save
+
+    def save_recorded(state_dict, path: str) -> None:
+        try:
+            save(state_dict, path)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            written[Path(path).name] = os.path.getsize(path)
+        except OSError as err:
+            errors.append(err)
+
+    ckpt_engine.save = save_recorded
+    try:
+        yield
+    finally:
+        del ckpt_engine.save  # the class's method again
+
+
+def _check_checkpoint_writes(patch: str) -> None:
+    engine = _engine_class(patch)
+    _method(patch, engine, "_save_checkpoint", uses=("checkpoint_engine", "save"))
+    _method(patch, engine, "_save_zero_checkpoint", uses=("checkpoint_engine", "save"))
+    torch_engine = _module(patch, "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine")
+    _method(patch, _attr(patch, torch_engine, "TorchCheckpointEngine"), "save", params=("self", "state_dict", "path"))
+
+
 PATCHES: dict[str, Patch] = {
     patch.name: patch
     for patch in (
@@ -483,6 +521,7 @@ PATCHES: dict[str, Patch] = {
         Patch("zero0_fp16_masters", _check_zero0_fp16_masters),
         Patch("fp16_skipped_steps", _check_fp16_skipped_steps),
         Patch("checkpoint_files", _check_checkpoint_files),
+        Patch("checkpoint_writes", _check_checkpoint_writes),
     )
 }
 

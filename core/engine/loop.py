@@ -1,12 +1,14 @@
 """The one training loop, shared by pretraining and fine-tuning.
 
 Per optimizer step: set the lr, run `grad_accum_steps` micro-steps (forward, under the engine's own autocast for bf16;
-backward), check on the device that the loss is finite on every rank, step (a non-finite step's update is skipped on
-the device), then log / evaluate / checkpoint every N steps.
+backward), check on the device that the loss is finite on every rank, step (a step whose loss or gradients are
+non-finite is skipped on the device), then log / evaluate / checkpoint every N steps (a checkpoint step inside a
+non-finite streak is saved at the next read step after it).
 
 Host syncs: none on an ordinary step. The host reads values back only on logging steps and every
 `engine.sync_every_steps` (see core/engine/agreement.py): the ranks then agree whether one was asked to stop (SIGTERM,
-see core/engine/preempt.py) and how long the non-finite streak is.
+see core/engine/preempt.py), how long the non-finite streak is, and whether a step's loss or gradient norm spiked
+(core/engine/rollback.py: the loop then goes back to the last good checkpoint's step).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import torch
 
 from core.config import Config
 from core.engine.agreement import StepAgreement
-from core.engine.checkpoint import RNGState, save_checkpoint
+from core.engine.checkpoint import RNGState, SaveOutcome, save_checkpoint
 from core.engine.compiled import compile_seconds
 from core.engine.distributed import all_reduce
 from core.engine.ds_compat import loss_scale, scales_loss_itself, skipped_steps
+from core.engine.rollback import SpikeWatch, roll_back
 from core.engine.schedule import lr_at
 from core.engine.stream import num_train_shards
 from core.engine.utilisation import start_meter
@@ -60,6 +63,8 @@ class TrainState:
     """Shard reads the data workers of all ranks began (data/shard_read.py)."""
     skipped_shards: int = 0
     """Shard reads given up after the last try: the rest of the shard was skipped (`data/skipped_shards`)."""
+    rollbacks: int = 0
+    """Loss spikes rolled back so far (core/engine/rollback.py): kept across rollbacks and resumes."""
     best_top1: float = -1.0
     """Fine-tuning: the best `val/top1` so far (the weights in run_dir/export) and the step it was measured at, kept
     across a resume so that a worse evaluation never overwrites the exported best."""
@@ -114,22 +119,17 @@ def _max_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def _grad_norm(engine, optimizer, world_size: int) -> float | None:
+def _grad_norm(engine, optimizer) -> float | None:
     """Global gradient norm of the step just taken (before clipping).
 
-    With clipping DeepSpeed computed it; otherwise it comes from the squared norms the Guarded optimizer measured on
-    each rank's partition: disjoint under ZeRO-1/2/3, so they are summed; full replicas under ZeRO-0, so averaged.
+    With clipping DeepSpeed computed it; otherwise it is the squared norm the Guarded optimizer measured (summed over
+    the ranks' partitions under ZeRO-1/2/3; the same full replica on every rank under ZeRO-0).
     """
     norm = engine.get_global_grad_norm()
     if norm is not None and engine.gradient_clipping() > 0:
         return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
     sq_norm = optimizer.grad_sq_norm
-    if sq_norm is None:
-        return None
-    sq_norm = all_reduce(sq_norm.detach().float().clone())
-    if engine.zero_optimization_stage() == 0:
-        sq_norm /= world_size
-    return float(sq_norm.sqrt())
+    return None if sq_norm is None else float(sq_norm.float().sqrt())
 
 
 @dataclass
@@ -157,6 +157,7 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
 
     Raises:
         NonFiniteLossError: After `engine.max_consecutive_nonfinite` non-finite steps in a row.
+        TooManyRollbacksError: At a loss spike after `engine.max_rollbacks` rollbacks (core/engine/rollback.py).
         PreemptedError: After the step during which some rank received SIGTERM, once its checkpoint is saved.
     """
     cfg, dist, state, logger = run.cfg, run.dist, run.state, run.logger
@@ -165,12 +166,13 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
     micro_batch = cfg.batch_size_per_device(dist.world_size)
     window = _Window(device)
     agreement = StepAgreement(device, state)
+    watch = SpikeWatch(cfg.engine.spike_factor, cfg.engine.spike_window, device)
     scale_loss = scales_loss_itself(engine)
-    first_step = state.step + 1
+    first_step = step = state.step + 1
+    save_due = False  # a checkpoint step deferred by a non-finite streak: saved at the next read step without one
     meter, batches = start_meter(run, engine.module, batches)
-    for step in range(first_step, total_steps + 1):
-        if step == first_step:
-            first = _FirstStep.begin()
+    first = _FirstStep.begin()  # None after the first step of this launch
+    while step <= total_steps:
         lr = lr_at(
             step, peak_lr=cfg.peak_lr, min_lr=cfg.optim.min_lr, warmup_steps=warmup_steps, total_steps=total_steps
         )
@@ -195,56 +197,94 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
             if micro < accum - 1:
                 engine.step()  # DeepSpeed only accumulates here; the optimizer runs at the boundary below
                 continue
-            bad = agreement.nonfinite(step_loss)  # (), 1.0 on every rank if any rank's loss was non-finite
+            bad_loss = agreement.nonfinite_loss(step_loss)  # (), 1.0 on every rank if any rank's loss was non-finite
             # DeepSpeed's fp16 optimizer already skips overflowing steps itself
-            with optimizer.guard(skip=False if precision == "fp16" else bad, measure=log_now):
+            with optimizer.guard(skip=False if precision == "fp16" else bad_loss):
                 engine.step()
+            bad = agreement.record(bad_loss, optimizer, precision)  # the loss's or the gradients' veto
             if hooks.after_update is not None:
                 hooks.after_update(step, 1.0 - bad)  # e.g. the EMA of the weights follows the update just applied
+        watch.record(step, step_loss / accum, optimizer.grad_sq_norm)
         stop = read_now and _read_agreement(agreement, state, cfg, step)
+        spike = watch.check(dist.world_size) if read_now else None
+        if spike is not None and roll_back(run, engine, step, spike):  # before this step is logged or saved
+            if stop:
+                raise PreemptedError(_preempted(step, total_steps, f"rolled back to step {state.step} after {spike}"))
+            window.drop_steps()
+            step = state.step + 1
+            continue
         log_now = log_now or stop  # the last step before a preemption is logged too
         window.add_step(step_loss / accum, micro_batch * accum * dist.world_size)
-        if step == first_step:
+        if first is not None:
             logger.console(first.end(window, excluded=not log_now))
         if log_now:
-            grad_norm = _grad_norm(engine, optimizer, dist.world_size)
-            values = window.flush(
-                lr=lr,
-                grad_norm=grad_norm,
-                engine=engine,
-                precision=precision,
-                state=state,
-            )
-            if meter is not None:
-                values["perf/mfu"] = meter.mfu(values["perf/images_per_sec"])
-            logger.scalars(step, values)
-            logger.progress(step, values)
-            if dist.is_main and state.skipped_shards:  # the same sums on every rank: one raises, the one error line
-                num_skipped, num_reads = state.skipped_shards, state.shard_reads
-                cfg.data.read_policy().check_skipped(num_skipped, num_reads, num_train_shards(cfg), "over all ranks")
+            _log(run, window, meter, step, lr=lr, engine=engine, optimizer=optimizer)
         if not stop:  # a preempted run has seconds left (torchrun's and SLURM's grace): only the checkpoint counts
             extras_start = time.perf_counter()
             _periodic_extras(cfg, step, first_step, total_steps, logger, hooks)
             window.start += time.perf_counter() - extras_start  # pictures and evaluation are not training throughput
         state.step = step
-        if save_now or stop:
-            tag_dir = save_checkpoint(
-                engine,
-                run_dir=run.run_dir,
-                step=step,
-                dist=dist,
-                states={"train": state, "rng": RNGState()},
-                config_yaml=run.config_yaml,
-                keep_last=cfg.checkpoint.keep_last,
-            )
+        save_due, saved = save_due or save_now, None
+        if stop or (save_due and read_now):
+            saved = _save_unless_nonfinite(run, engine, step, preempted=stop)
+            save_due = saved is None  # deferred; a save that failed (a full disk) waits for the next checkpoint step
         if stop:
-            raise PreemptedError(
-                f"preempted: SIGTERM received, stopped after step {step} of {total_steps} with checkpoint {tag_dir}; "
-                f"launch the same command again to resume from it"
-            )
-        if step == first_step:
+            where = f"with checkpoint {saved.tag_dir}" if saved is not None and saved.tag_dir is not None else None
+            raise PreemptedError(_preempted(step, total_steps, where))
+        if first is not None:
             logger.mark_start(step)  # keep the first step's one-off set-up cost out of the ETA
+            first = None
+        step += 1
     return state
+
+
+def _save_unless_nonfinite(run: StageRun, engine, step: int, *, preempted: bool) -> SaveOutcome | None:
+    """The checkpoint of `step` (its outcome: saved, or skipped or failed, said on the console), unless the step is
+    part of a non-finite streak: then None, deferred to the next read step without one (a preemption saves all the
+    same: the skipped updates left the weights finite)."""
+    if run.state.consecutive_nonfinite and not preempted:
+        run.logger.console(
+            f"[mimpipe] checkpoint of step {step} deferred: {run.state.consecutive_nonfinite} non-finite step(s) in a "
+            "row up to it; it is saved at the next read step with a finite one"
+        )
+        return None
+    saved = save_checkpoint(
+        engine,
+        run_dir=run.run_dir,
+        step=step,
+        dist=run.dist,
+        states={"train": run.state, "rng": RNGState()},
+        config_yaml=run.config_yaml,
+        keep_last=run.cfg.checkpoint.keep_last,
+    )
+    if saved.note is not None:
+        run.logger.console(saved.note)
+    return saved
+
+
+def _preempted(step: int, total_steps: int, checkpoint: str | None) -> str:
+    where = checkpoint or "without a new checkpoint (see the line above); checkpoints/latest names the last one"
+    return (
+        f"preempted: SIGTERM received, stopped after step {step} of {total_steps} {where}; "
+        f"launch the same command again to resume from it"
+    )
+
+
+def _log(run: StageRun, window: _Window, meter, step: int, *, lr: float, engine, optimizer) -> None:
+    """Flush the window's scalars to the metrics and the console."""
+    cfg = run.cfg
+    grad_norm = _grad_norm(engine, optimizer)
+    values = window.flush(lr=lr, grad_norm=grad_norm, engine=engine, precision=cfg.engine.precision, state=run.state)
+    if meter is not None:
+        values["perf/mfu"] = meter.mfu(values["perf/images_per_sec"])
+    if cfg.engine.spike_factor > 0:
+        values["train/rollbacks"] = float(run.state.rollbacks)
+    run.logger.scalars(step, values)
+    run.logger.progress(step, values)
+    state = run.state
+    if run.dist.is_main and state.skipped_shards:  # the same sums on every rank: one raises, the one error line
+        num_skipped, num_reads = state.skipped_shards, state.shard_reads
+        cfg.data.read_policy().check_skipped(num_skipped, num_reads, num_train_shards(cfg), "over all ranks")
 
 
 def _periodic_extras(cfg: Config, step: int, first_step: int, total_steps: int, logger, hooks: LoopHooks) -> None:
@@ -315,6 +355,13 @@ class _Window:
         self.shard_reads = torch.zeros((), dtype=torch.int64)
         self.skipped_shards = torch.zeros((), dtype=torch.int64)
         self.start = time.perf_counter()
+
+    def drop_steps(self) -> None:
+        """Forget the losses and scalars of the steps a rollback undid (the samples and time still count: they were
+        trained on)."""
+        self.loss = torch.zeros((), device=self.device)
+        self.extra = {}
+        self.steps = self.micro_steps = 0
 
     def add_scalars(self, out: dict) -> None:
         self.micro_steps += 1

@@ -24,6 +24,7 @@ from core.engine.failure import StageExit, log_tracebacks_to
 from core.engine.loop import LoopHooks, NonFiniteLossError, PreemptedError, TrainState, train
 from core.engine.plan import launch_plan
 from core.engine.preempt import EXIT_PREEMPTED
+from core.engine.rollback import TooManyRollbacksError
 from core.engine.setup import parallelize
 from core.engine.utilisation import device_peak
 from core.logging import MetricsLogger
@@ -31,7 +32,8 @@ from core.rundir import ALLOW_FLAG, Relaunch, keep_launch_config, mark_finished,
 from data.specs import dataset_size
 
 EXIT_NONFINITE = 3
-"""Process exit code after `engine.max_consecutive_nonfinite` non-finite losses in a row (see `run_loop`)."""
+"""Process exit code after `engine.max_consecutive_nonfinite` non-finite steps in a row, or a loss spike after
+`engine.max_rollbacks` rollbacks (see `run_loop`)."""
 EXIT_REFUSED = 2
 """Process exit code of a launch refused before training: the run_dir holds a run of another config (as launch.sh's
 pre-flight exits)."""
@@ -173,14 +175,14 @@ def run_loop(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: L
     """The training loop; returns the process exit code.
 
     Returns:
-        0 when every step ran; `EXIT_NONFINITE` (3) after too many non-finite losses in a row; `EXIT_PREEMPTED` (4)
-        after a SIGTERM, once the checkpoint of the step reached is saved. On a non-zero code the logger is closed
-        and the stage should return the code.
+        0 when every step ran; `EXIT_NONFINITE` (3) after too many non-finite steps in a row or too many rollbacks;
+        `EXIT_PREEMPTED` (4) after a SIGTERM, once the checkpoint of the step reached is saved. On a non-zero code
+        the logger is closed and the stage should return the code.
     """
     preempt.install()  # normally done by start_stage already; SIGTERM is only deferred while the loop runs
     try:
         train(run, engine, optimizer, batches, hooks or LoopHooks())
-    except (NonFiniteLossError, PreemptedError) as err:
+    except (NonFiniteLossError, TooManyRollbacksError, PreemptedError) as err:
         code = EXIT_PREEMPTED if isinstance(err, PreemptedError) else EXIT_NONFINITE
         run.logger.console(f"[mimpipe] {err} (exit code {code})")
         run.logger.close()  # TensorBoard keeps events in memory for up to two minutes

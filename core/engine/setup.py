@@ -17,52 +17,66 @@ from core import timm_compat
 from core.config import Config
 from core.engine import ds_compat
 from core.engine.compiled import compile_batch_sizes, compile_blocks
-from core.engine.distributed import DistInfo
+from core.engine.distributed import DistInfo, all_reduce
 from core.engine.zero3_runtime import gather_per_block, use_linear32
 from core.engine.zero_init import build_partitioned
 
 
 class Guarded:
-    """Mixin for a torch optimizer whose update can be vetoed, and which can measure the gradients it is handed.
+    """Mixin for a torch optimizer whose update can be vetoed, and which checks the gradients it is handed.
 
     DeepSpeed's ZeRO wrappers call the optimizer's `step` on their flat fp32 partitions (on the parameters themselves
-    at ZeRO-0) with the reduced, unscaled gradients, and ZeRO-1/2 call it once per parameter group. The loop sets the
-    flags around one `engine.step()` (`guard`), so they hold for every call inside it, at every stage:
+    at ZeRO-0) with the reduced, unscaled gradients, ZeRO-1/2 once per parameter group and ZeRO-3 once per
+    sub-group. The loop sets `skip` around one `engine.step()` (`guard`), so that it holds for every call inside it:
     - `skip`: after a non-finite loss on any rank, parameters, moments and step counts stay exactly as they were. A
       bool, or a 0-d float tensor on the device (1.0: skip) that a fused optimizer takes as its `found_inf`, the flag
       torch's GradScaler hands it: the kernel then leaves everything as it was without the host ever reading the flag.
-      An unfused optimizer (SGD, LARS: the linear probes) reads it, one host sync per step;
-    - `measure`: the squared L2 norm of this rank's gradients is added to `grad_sq_norm` (a tensor, so no sync);
-      the loop sums it over ranks on logging steps only. This replaces DeepSpeed's own norm, which ZeRO-1/2 would
-      otherwise compute (and sync) on every step.
+      An unfused optimizer (SGD, LARS: the linear probes) reads it, one host sync per step.
+    - every call also measures the squared L2 norm of the gradients it is handed (one foreach norm, on the device),
+      summed over the ranks when each holds its own partition (`reduce_norm`: ZeRO-1/2/3 on several ranks; one
+      all-reduce of one value per call), and adds it to `grad_sq_norm`. A non-finite norm (NaN or inf gradients
+      under a finite loss) skips this call's update and every later call's of the same step on every rank, and sets
+      `nonfinite`. A non-finite value that reaches only one parameter group leaves the groups stepped before it
+      updated; one from backward reaches the first layer's weight and bias, which sit in every group's first call.
     """
 
     skip: bool | torch.Tensor = False
-    measure: bool = False
+    reduce_norm: bool = False
     grad_sq_norm: torch.Tensor | None = None
+    """The squared norm of the gradients of the step inside `guard` (global under `reduce_norm`); None before a call."""
+    nonfinite: torch.Tensor | None = None
+    """1.0 when some call of the step inside `guard` was handed non-finite gradients on some rank; None before a call
+    (DeepSpeed skipped the step itself: an fp16 overflow, or a non-finite norm it computed to clip)."""
 
     def step(self, closure=None):
-        if self.measure:
-            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-            if grads:
-                sq_norm = sum(g.float().pow(2).sum() for g in grads)
-                self.grad_sq_norm = sq_norm if self.grad_sq_norm is None else self.grad_sq_norm + sq_norm
-        if not isinstance(self.skip, torch.Tensor) or not self.defaults.get("fused"):
-            return None if bool(self.skip) else super().step(closure)
-        self.found_inf = self.skip  # read by torch's fused step as `getattr(self, "found_inf", None)`
+        if self.skip is True:  # known on the host (the guard around deepspeed.initialize): nothing to measure
+            return None
+        params = [p for group in self.param_groups for p in group["params"]]  # ZeRO-3: one group's sub-group filled
+        grads = [p.grad for p in params if p.grad is not None]
+        device = params[0].device
+        sq_norm = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros((), device=device)
+        if self.reduce_norm:
+            sq_norm = all_reduce(sq_norm.float())
+        bad = (~torch.isfinite(sq_norm)).float()
+        self.grad_sq_norm = sq_norm if self.grad_sq_norm is None else self.grad_sq_norm + sq_norm
+        self.nonfinite = bad if self.nonfinite is None else torch.maximum(self.nonfinite, bad)
+        skip = torch.maximum(self.nonfinite, torch.as_tensor(self.skip, dtype=torch.float32, device=device))
+        if not self.defaults.get("fused"):
+            return None if bool(skip) else super().step(closure)
+        self.found_inf = skip  # read by torch's fused step as `getattr(self, "found_inf", None)`
         try:
             return super().step(closure)
         finally:
             del self.found_inf
 
     @contextlib.contextmanager
-    def guard(self, *, skip: bool | torch.Tensor, measure: bool):
-        """Apply `skip` / `measure` to every optimizer call made inside the block (one engine step)."""
-        self.skip, self.measure, self.grad_sq_norm = skip, measure, None
+    def guard(self, *, skip: bool | torch.Tensor):
+        """Apply `skip` to every optimizer call made inside the block (one engine step), and measure its gradients."""
+        self.skip, self.grad_sq_norm, self.nonfinite = skip, None, None
         try:
             yield
         finally:
-            self.skip = self.measure = False
+            self.skip = False
 
 
 class GuardedAdamW(Guarded, torch.optim.AdamW):
@@ -122,8 +136,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
         },
         "zero_optimization": {
             "stage": e.zero_stage,
-            # ZeRO-1/2 compute the global grad norm on every step only to clip or to log it; without clipping the loop
-            # measures it on logging steps (Guarded.guard(measure=...)). fp16 keeps it for overflow checks.
+            # ZeRO-1/2 compute the global grad norm on every step only to clip or to log it (with a host sync); without
+            # clipping the Guarded optimizer measures it on the device. fp16 keeps it for overflow checks.
             "compute_grad_norm": not (e.zero_stage in (1, 2) and cfg.optim.grad_clip == 0 and e.precision != "fp16"),
             "contiguous_gradients": True,
             # Reduce a gradient bucket while backward fills the next one (a second side stream on CUDA).
@@ -266,11 +280,12 @@ def parallelize(
     # skip: DeepSpeed's ZeRO-0 fp16 optimizer steps once on zero gradients to create the optimizer state, which would
     # apply one weight decay to the fp32 weights (not to their fp16 copy) and count one Adam step; torch optimizers
     # create their state on their first real step anyway.
-    with ds_compat.fp32_master_shared(), optimizer.guard(skip=True, measure=False):
+    with ds_compat.fp32_master_shared(), optimizer.guard(skip=True):
         engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
     if cfg.engine.zero_stage == 3:
         ds_compat.skip_identity_grad_passes(engine.optimizer)
     elif cfg.engine.zero_stage in (1, 2):
         ds_compat.share_zero12_masters(engine.optimizer)
     ds_compat.skip_single_rank_allreduce(engine)
+    optimizer.reduce_norm = cfg.engine.zero_stage > 0 and dist.world_size > 1  # each rank steps its own partition
     return engine, optimizer

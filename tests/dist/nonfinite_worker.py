@@ -22,6 +22,19 @@ from data.pipeline import zero_counts
 from tests.dist.cpu_fp16 import allow_cpu_fp16
 
 NAN_AT = {(3, 1), (5, 0), (6, 0), (7, 1)}  # (step, rank): 3 alone, then 5, 6, 7 in a row -> stop at 7
+GRAD_NAN_AT = {(1, 0)}  # (step, rank): a finite loss whose gradients are NaN (not in fp16, which skips it itself)
+
+
+class NaNGrad(torch.autograd.Function):
+    """The identity forward; its backward hands back NaN: non-finite gradients under a finite loss."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("nan"))
 
 
 class Toy(nn.Module):
@@ -30,7 +43,10 @@ class Toy(nn.Module):
         self.lin = nn.Linear(4, 1)
 
     def forward(self, batch: dict) -> dict:
-        return {"loss": (self.lin(batch["image"]) ** 2).mean() * batch["scale"]}
+        out = self.lin(batch["image"])
+        if batch["grad_nan"]:
+            out = NaNGrad.apply(out)
+        return {"loss": (out**2).mean() * batch["scale"]}
 
 
 def main(out: Path, zero_stage: int, precision: str, sync_every: int) -> None:
@@ -67,7 +83,9 @@ def main(out: Path, zero_stage: int, precision: str, sync_every: int) -> None:
         for step in range(1, 100):
             snapshots[step] = [v for p in engine.module.parameters() for v in p.detach().flatten().tolist()]
             scale = float("nan") if (step, dist.rank) in NAN_AT else 1.0
-            yield {"image": torch.randn(2, 4), "scale": torch.tensor(scale), **zero_counts()}
+            grad_nan = precision != "fp16" and (step, dist.rank) in GRAD_NAN_AT
+            batch = {"image": torch.randn(2, 4), "scale": torch.tensor(scale), **zero_counts()}
+            yield {**batch, "grad_nan": grad_nan}
 
     logger = MetricsLogger(out / "run", enabled=dist.is_main, tensorboard=False, total_steps=8)
     state = TrainState()

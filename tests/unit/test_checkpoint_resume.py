@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from core.engine.checkpoint import ConversionFiles, RNGState, find_resume, load_states
+from core.engine.ckpt_files import write_marker
 from core.engine.failure import PeerLostError
 from core.engine.loop import TrainState
 
@@ -21,12 +22,13 @@ TRAIN = TrainState(
 
 
 def _checkpoint(run_dir, world_size: int, step: int = 6, train: TrainState = TRAIN):
-    """Rank files as `save_checkpoint` writes them."""
+    """Rank files as `save_checkpoint` writes them, marked complete."""
     tag_dir = run_dir / "checkpoints" / f"step_{step:08d}"
     tag_dir.mkdir(parents=True)
     for rank in range(world_size):
         saved = {"world_size": world_size, "train": train.state_dict(), "rng": {"rank": rank}}
         (tag_dir / f"rank_{rank:05d}.json").write_text(json.dumps(saved))
+    write_marker(tag_dir, {p.name: p.stat().st_size for p in tag_dir.iterdir()})
     (run_dir / "checkpoints" / "latest").write_text(tag_dir.name)
     return tag_dir
 
@@ -59,7 +61,8 @@ def test_a_missing_rank_state_is_named(tmp_path):
     tag_dir = _checkpoint(tmp_path, world_size=4)
     (tag_dir / "rank_00003.json").unlink()
     with pytest.raises(ValueError, match="no state for rank 3"):
-        find_resume(tmp_path, 3, 4)
+        find_resume(tmp_path, 3, 4, step=6)
+    assert find_resume(tmp_path, 3, 4) is None  # incomplete now: not resumed
 
 
 def test_another_world_size_carries_the_whole_train_state_but_not_the_rngs(tmp_path):
@@ -77,6 +80,7 @@ def test_checkpoints_from_before_named_states_still_resume(tmp_path):
     tag_dir = _checkpoint(tmp_path, world_size=1)
     flat = {"step": 6, "world_size": 1, "rng": {"rank": 0}, "batches_consumed": 12, "best_top1": 0.5}
     (tag_dir / "rank_00000.json").write_text(json.dumps(flat))
+    write_marker(tag_dir, {"rank_00000.json": (tag_dir / "rank_00000.json").stat().st_size})
     resume = find_resume(tmp_path, 0, 1)
     assert resume["states"]["rng"] == {"rank": 0}
     assert _resumed_train_state(resume) == TrainState(step=6, batches_consumed=12, best_top1=0.5)

@@ -74,14 +74,36 @@ def test_guard_covers_every_step_call_of_one_engine_step():
             optimizer.step()
         optimizer.param_groups = groups
 
-    with optimizer.guard(skip=True, measure=True):
+    with optimizer.guard(skip=torch.ones(())):
         deepspeed_like_step()
-    assert torch.equal(weight, before[0]) and torch.equal(bias, before[1]) and not optimizer.state
+    assert torch.equal(weight, before[0]) and torch.equal(bias, before[1])
+    assert all(float(s["step"]) == 0 for s in optimizer.state.values())  # the fused kernel's state, no step counted
     assert optimizer.grad_sq_norm.item() == 9 * 4.0 + 3 * 1.0  # both groups measured
-    with optimizer.guard(skip=False, measure=False):
+    assert optimizer.nonfinite.item() == 0.0
+    with optimizer.guard(skip=False):
         deepspeed_like_step()
     assert not torch.equal(weight, before[0]) and not torch.equal(bias, before[1])
-    assert optimizer.grad_sq_norm is None and not optimizer.skip
+    assert not optimizer.skip
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_nonfinite_gradients_under_a_finite_loss_skip_this_and_every_later_call(fused):
+    """A NaN in the first group's gradients (a finite loss) skips both groups' updates: no weight moves, no step is
+    counted."""
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3))
+    optimizer = GuardedAdamW([{"params": [weight]}, {"params": [bias]}], lr=0.1, fused=fused)
+    before = [weight.detach().clone(), bias.detach().clone()]
+    weight.grad, bias.grad = torch.full((3, 3), float("nan")), torch.full((3,), 1.0)
+    groups = optimizer.param_groups
+    with optimizer.guard(skip=torch.zeros(())):
+        for group in groups:  # as DeepSpeed's ZeRO-1/2 step them, one group per call
+            optimizer.param_groups = [group]
+            optimizer.step()
+    optimizer.param_groups = groups
+    assert optimizer.nonfinite.item() == 1.0 and not torch.isfinite(optimizer.grad_sq_norm)
+    assert torch.equal(weight, before[0]) and torch.equal(bias, before[1])
+    assert all(not s or float(s["step"]) == 0 for s in optimizer.state.values())
 
 
 def test_fp16_is_refused_where_deepspeed_has_no_fp16(tmp_path):
