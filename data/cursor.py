@@ -5,8 +5,9 @@ Each batch carries the cursor of the stream (DataLoader worker) that made it, as
 (`StreamCursor`, "cursor" in the batch). The training process keeps, per rank, the cursor of the last batch it
 consumed from each worker: the position
     {"next_worker": the worker whose batch comes next, "streams": per worker, {"index": the stream's next sample
-     index (augmentation seeds come from it), "order": the `TrainOrder` cursor (data/order.py)}, or None: none
-     consumed yet}
+     index (augmentation seeds come from it), "order": the `TrainOrder` cursor (data/order.py), "reads": its shard
+     reads begun and skipped and the skipped shards still resting (`data.shard_read.ShardCounts.state`)}, or None:
+     none consumed yet}
 Workers prefetch ahead of training; what they prefetched is not in the position, so a resumed stream makes it again.
 
 Elastic resume (another world size or worker count): the old streams cannot continue, since each stream's share of an
@@ -38,7 +39,8 @@ class StreamCursor:
     worker: int
     num_workers: int
     state: dict
-    """{"index": the stream's next sample index, "order": its `TrainOrder.state()`}."""
+    """{"index": the stream's next sample index, "order": its `TrainOrder.state()`, "reads": its
+    `ShardCounts.state()`}."""
 
 
 def advance(position: dict | None, cursor: StreamCursor) -> dict:

@@ -75,6 +75,8 @@ class TrainOrder:
         num_open: Shards each source reads at once.
         shuffle_buffer: Samples held by the shuffle buffer after the mix; 0 turns it off.
         state: A cursor from `state()` to continue from (see the module docstring); None starts afresh.
+        reopen: Opens again a shard the cursor had open or holds buffered samples of (what the interrupted stream had
+            begun reading already); None: `read`.
 
     Raises:
         ValueError: If `state` was saved for other sources than `sources`.
@@ -94,8 +96,10 @@ class TrainOrder:
         num_open: int,
         shuffle_buffer: int,
         state: dict | None = None,
+        reopen: ReadShard | None = None,
     ) -> None:
         state = state or initial_state([len(s.shards) for s in sources])
+        reopen = reopen or read
         if state["num_shards"] != [len(s.shards) for s in sources]:
             raise ValueError(
                 f"the saved data position is for sources of {state['num_shards']} shards, data.train has "
@@ -105,7 +109,9 @@ class TrainOrder:
         offsets = list(itertools.accumulate([0, *(len(s.shards) for s in sources)]))[:-1]
         layout = (rank, worker, stream_id, num_streams)
         self.sources = [
-            _Source(self.shards, offset, len(s.shards), i, read, rng, layout, resampled, num_open, source_state)
+            _Source(
+                self.shards, offset, len(s.shards), i, (read, reopen), rng, layout, resampled, num_open, source_state
+            )
             for i, (s, offset, source_state) in enumerate(zip(sources, offsets, state["sources"], strict=True))
         ]
         self.generation = state["generation"]
@@ -115,7 +121,7 @@ class TrainOrder:
         self.buffer_size = shuffle_buffer
         self.shuffle_rng = _restored(buffered["rng"], lambda: rng(_SHUFFLE, self.generation, rank, worker))
         self.buffer_refs = decode_refs(buffered["refs"])
-        self.buffer = _read_refs(self.buffer_refs, self.shards, read)
+        self.buffer = _read_refs(self.buffer_refs, self.shards, reopen)
 
     def __iter__(self) -> Iterator[Sample]:
         return self
@@ -181,7 +187,7 @@ class _Source:
         offset: int,
         num_shards: int,
         source: int,
-        read: ReadShard,
+        reads: tuple[ReadShard, ReadShard],
         rng: SeededRng,
         layout: tuple[int, int, int, int],
         resampled: bool,
@@ -189,9 +195,10 @@ class _Source:
         state: dict,
     ) -> None:
         """`shards`: every source's, one list after another; this source's are `shards[offset:offset + num_shards]`.
-        `layout`: (rank, worker, stream_id, num_streams). `state`: the source's part of the cursor."""
+        `reads`: (read, reopen), see `TrainOrder`. `layout`: (rank, worker, stream_id, num_streams). `state`: the
+        source's part of the cursor."""
         self.shards, self.offset, self.num_shards, self.source = shards, offset, num_shards, source
-        self.read, self.rng_of, self.resampled = read, rng, resampled
+        (self.read, self.reopen), self.rng_of, self.resampled = reads, rng, resampled
         self.rank, self.worker, self.stream_id, self.num_streams = layout
         names = shards[offset : offset + num_shards]
         self.num_distinct = len(set(names))
@@ -199,14 +206,15 @@ class _Source:
         self.epoch, self.next, self.leftover = state["epoch"], state["next"], [tuple(e) for e in state["leftover"]]
         self.epoch_list = self._epoch_list()
         self.rng = _restored(state["rng"], self._seeded_rng)
-        self.open = [self._open(number, skip) for number, skip in state["open"]]
+        # A shard opened but not yet drawn from (skip 0) was never begun: it is read as any other next shard is.
+        self.open = [self._open(number, skip, self.reopen if skip else self.read) for number, skip in state["open"]]
         self.epoch_empty = self.next == 0 and not self.open  # nothing read yet in this epoch
         self.found_empty: set[str] = set()  # resampled: shards that held no sample, since the last sample
 
     def __next__(self) -> tuple[int, Sample]:
         while True:
             while len(self.open) < self.num_open and (entry := self._next_entry()) is not None:
-                self.open.append(self._open(*entry))
+                self.open.append(self._open(*entry, self.read))
             if not self.open:  # not resampled: the epoch's shards are read
                 if self.epoch_empty:  # would otherwise loop forever without yielding
                     urls = [self.shards[self.offset + i] for i in self.epoch_list]
@@ -272,9 +280,9 @@ class _Source:
             if not self.resampled or self.shards[number] not in reading:
                 return number, 0
 
-    def _open(self, number: int, skip: int) -> "_OpenShard":
-        """Shard `number`, its first `skip` samples read past (a resumed shard)."""
-        return _OpenShard(number, itertools.islice(self.read(self.shards[number]), skip, None), skip)
+    def _open(self, number: int, skip: int, read: ReadShard) -> "_OpenShard":
+        """Shard `number`, read by `read`, its first `skip` samples read past (a resumed shard)."""
+        return _OpenShard(number, itertools.islice(read(self.shards[number]), skip, None), skip)
 
 
 class _OpenShard:

@@ -252,9 +252,12 @@ class _ShardStream(IterableDataset):
         start = position["streams"][worker] or {"index": 0, "order": None}
         num_shards = len({shard for source in self.sources for shard in source.shards})
         counts = ShardCounts(self.read_policy, num_shards, f"by rank {self.rank} data worker {worker}")
+        if start.get("reads") is not None:  # the skipped shards are part of the cursor: they go on resting
+            counts.load(start["reads"])
+        read = functools.partial(read_shard, policy=self.read_policy, counts=counts)  # skips a shard after its tries
         order = TrainOrder(
             self.sources,
-            functools.partial(read_shard, policy=self.read_policy, counts=counts),  # skips a shard after its tries
+            read,
             _order_rng(self.seed),
             rank=self.rank,
             worker=worker,
@@ -264,15 +267,15 @@ class _ShardStream(IterableDataset):
             num_open=self.num_open_shards,
             shuffle_buffer=self.shuffle_buffer,
             state=start["order"],
+            reopen=functools.partial(read, reopened=True),  # counted by the interrupted stream already
         )
         seed_prefix = (self.seed, _SEED_AUGMENT, self.rank, worker)
-        raw = order if start["order"] is None else _counted_from_here(order, counts)
-        decoded = _decode(raw, self.transform, label_of, seed_prefix, start["index"])
+        decoded = _decode(order, self.transform, label_of, seed_prefix, start["index"])
         collate = functools.partial(_collate, normalisation=normalisation, counts=counts)
         while True:
             samples = list(itertools.islice(decoded, self.batch_size))  # no read-ahead: the cursor is right after
             batch = collate(samples)
-            state = {"index": samples[-1]["index"] + 1, "order": order.state()}
+            state = {"index": samples[-1]["index"] + 1, "order": order.state(), "reads": counts.state()}
             batch["cursor"] = StreamCursor(worker, num_workers, state)
             yield batch
 
@@ -288,17 +291,6 @@ def _read_shards(
     """Raw samples (dicts of bytes keyed by extension, plus `__key__` and `__url__`) of each shard in turn."""
     for url in urls:
         yield from read(url)
-
-
-def _counted_from_here(samples: Iterator[dict[str, Any]], counts: ShardCounts) -> Iterator[dict[str, Any]]:
-    """`samples`, with the shard reads counted before the first one forgotten: a resumed stream reopens the shards
-    its cursor had open (and those of its buffered samples), which the interrupted run counted already."""
-    first = True
-    for sample in samples:
-        if first:
-            counts.take()
-            first = False
-        yield sample
 
 
 def _first_image_samples(samples: Iterator[dict[str, Any]], count: int) -> Iterator[dict[str, Any]]:

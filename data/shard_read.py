@@ -128,6 +128,17 @@ class ShardCounts:
         self._skipped_at[url] = self.num_reads
         self.policy.check_skipped(self.num_skipped, self.num_reads, self.num_shards, self.where, f"{url}: {why}")
 
+    def state(self) -> dict:
+        """What a resumed stream needs to go on counting (JSON-safe; part of the stream's cursor): its totals and the
+        shards resting after a skip."""
+        return {"reads": self.num_reads, "skipped": self.num_skipped, "skipped_at": dict(self._skipped_at)}
+
+    def load(self, state: dict) -> None:
+        """Go on from `state()` of the interrupted stream; what it reported in its batches counts as taken."""
+        self.num_reads, self.num_skipped = state["reads"], state["skipped"]
+        self._skipped_at = dict(state["skipped_at"])
+        self._taken = (self.num_reads, self.num_skipped)
+
     def take(self) -> tuple[int, int]:
         """(reads begun, reads skipped) since the last call."""
         now = (self.num_reads, self.num_skipped)
@@ -141,6 +152,7 @@ def read_shard(
     policy: ShardReadPolicy,
     counts: ShardCounts | None = None,
     *,
+    reopened: bool = False,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[Sample]:
     """The raw samples (fields of bytes, `__key__`, `__url__`) of the shard at `url`, retried as `policy` says.
@@ -150,13 +162,15 @@ def read_shard(
         policy: Timeout, retries and backoff.
         counts: The stream's counts: a shard that fails every try is logged, counted there and ended early, and
             gives nothing while it rests (see `ShardCounts`). None (evaluation): it raises instead.
+        reopened: A read a resumed stream begins again (a shard its cursor had open, or one its shuffle buffer holds
+            samples of): the interrupted run counted it already, so it is not counted again nor kept from resting.
         sleep: Waits the backoff (tests record it).
 
     Raises:
         ShardReadError: A shard that fails every try, without `counts`; or a missing fsspec package.
         TooManySkippedShardsError: From `counts.skip`.
     """
-    if counts is not None and not counts.begin(url):
+    if counts is not None and not reopened and not counts.begin(url):
         return
     num_given, num_tries, why = 0, policy.retries + 1, ""
     for attempt in range(num_tries):

@@ -28,6 +28,7 @@ from core.engine.rollback import TooManyRollbacksError
 from core.engine.run import StageRun
 from core.engine.setup import parallelize
 from core.logging import MetricsLogger
+from data.pipeline import zero_counts
 from tests.dist.nonfinite_worker import Toy
 
 SPIKE_BATCH = 11  # drawn at step 11; read (and a spike seen) at step 12, a checkpoint step
@@ -89,7 +90,7 @@ def main(out: Path, mode: str) -> None:
                 continue  # the data position of a resumed run
             drawn.append(number)
             scale = 1e4 if number == SPIKE_BATCH and dist.rank == 1 and mode in ("spike", "stop") else 1.0
-            yield {"image": image, "scale": torch.tensor(scale), "num_corrupt": torch.tensor(0), "grad_nan": False}
+            yield {"image": image, "scale": torch.tensor(scale), "grad_nan": False, **zero_counts()}
 
     logger = MetricsLogger(out / "run", enabled=dist.is_main, tensorboard=False, total_steps=STEPS)
     run = StageRun(cfg, "", dist, out / "run", dump_config(cfg), None, STEPS, 0, resume, state, logger)
