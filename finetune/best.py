@@ -82,6 +82,7 @@ class BestExport:
             world_size=dist.world_size,
             num_workers=cfg.data.num_workers,
             label_field=cfg.data.label_field,
+            timeout_s=cfg.data.loader_timeout_s,
         )
 
     def _report(self, step: int, metrics: dict[str, float], confusion: torch.Tensor | None) -> None:

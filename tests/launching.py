@@ -150,6 +150,25 @@ def torchrun(
     return proc
 
 
+MARKER = "MIMPIPE_TEST_MARKER"
+"""An environment variable a test sets to tell its run's processes apart: every process of the run inherits it."""
+
+
+def marked_processes(marker: str) -> set[int]:
+    """Pids of the running processes (zombies left out) whose environment holds `MARKER=marker`."""
+    wanted, found = f"{MARKER}={marker}".encode(), set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            running = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            if running and wanted in (entry / "environ").read_bytes().split(b"\0"):
+                found.add(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

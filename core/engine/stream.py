@@ -39,5 +39,6 @@ def train_stream(
             labels=labels,
             label_field=cfg.data.label_field,
             num_open_shards=cfg.data.num_open_shards,
+            timeout_s=cfg.data.loader_timeout_s,
         )
     )
