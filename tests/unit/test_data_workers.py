@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch
 from data.pipeline import make_eval_loader
 from data.transforms import eval_transform
 from data.workers import DataWorkerTimeout
-from tests.launching import MARKER, REPO, marked_processes, write_synthetic
+from tests.launching import MARKER, REPO, marked_processes, wait_gone, write_synthetic
 
 MEAN = STD = (0.5, 0.5, 0.5)
 
@@ -68,22 +67,6 @@ def _loader(shards, transform, num_workers: int = 2, **kwargs):
     )
 
 
-def _running(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids, seconds: float = 10.0) -> set[int]:
-    """The pids of `pids` still running after up to `seconds`."""
-    deadline = time.monotonic() + seconds
-    while (running := {pid for pid in pids if _running(pid)}) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return running
-
-
 def test_workers_come_from_the_fork_server_with_sigterm_blocked_and_give_every_sample(shards):
     batches = list(_loader(shards, WhereAmI()))
     assert sum(len(b["key"]) for b in batches) == 64
@@ -93,7 +76,7 @@ def test_workers_come_from_the_fork_server_with_sigterm_blocked_and_give_every_s
     assert len(pids) == 2 and os.getpid() not in pids
     assert len(parents) == 1 and os.getpid() not in parents  # not forked from this (threaded) process
     assert all(bool(b) for batch in batches for b in batch["blocked"])
-    assert _wait_gone(pids) == set()  # a finished pass stops its workers
+    assert wait_gone(pids) == set()  # a finished pass stops its workers
 
 
 def test_a_foreign_sigterm_leaves_the_worker_running(shards):
@@ -118,7 +101,7 @@ def test_a_stuck_worker_is_one_line_naming_it_and_is_stopped(shards):
     assert 2 <= waited < 30
     worker = int(message.split("(pid ")[1].split(",")[0])
     del batches, raised
-    assert _wait_gone([worker]) == set()  # the loader's shutdown stopped it (our SIGTERM is its rank's)
+    assert wait_gone([worker]) == set()  # the loader's shutdown stopped it (our SIGTERM is its rank's)
 
 
 RANK_SCRIPT = """
@@ -147,7 +130,7 @@ def test_workers_and_fork_server_die_with_a_killed_rank(shards, tmp_path):
         assert len(others) >= 3, others  # the fork server and 2 workers (and multiprocessing's resource tracker)
         rank.kill()
         rank.wait(timeout=10)
-        assert _wait_gone(others) == set()
+        assert wait_gone(others) == set()
         assert marked_processes(marker) == set()
     finally:
         rank.kill()
