@@ -15,7 +15,8 @@ thread in each worker exits it on its own rank's SIGTERM only (DataLoader's `ter
 stop when told).
 
 Death: a thread in each worker waits on its rank's pidfd and exits the worker the moment the rank is gone, however
-it went (kill -9 included); the server exits once the rank and all workers have.
+it went (kill -9 included); the server exits once the rank and all workers have. A worker that exits this way (or on
+its rank's SIGTERM) kills the processes it started first (a `pipe:` shard's command).
 
 Timeout: a rank that waits `timeout_s` for a batch raises `DataWorkerTimeout`, which names the worker that owes it,
 instead of waiting forever for a worker stuck in a shard read or a transform.
@@ -33,6 +34,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from torch.utils.data import DataLoader
 
@@ -158,21 +160,48 @@ def _exit_on_sigterm_from(rank_pid: int) -> None:
     while True:
         info = signal.sigwaitinfo({signal.SIGTERM})
         if info.si_pid in (rank_pid, os.getppid()):
-            os._exit(0)
+            _exit_worker()
 
 
 def _exit_with(pid: int) -> None:
-    """Exits this process as soon as process `pid` has ended."""
+    """Exits this worker as soon as process `pid` has ended."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
-        os._exit(0)
+        _exit_worker()
     except OSError:  # no pidfd (Linux < 5.3): poll
         while _alive(pid):
             time.sleep(1.0)
-        os._exit(0)
+        _exit_worker()
     select.select([pidfd], [], [])  # readable once the process has ended
+    _exit_worker()
+
+
+def _exit_worker() -> None:
+    """Ends this worker at once, and every process it started: a `pipe:` shard's command (a shell, the curl or
+    reader under it) would otherwise outlive it, holding the run's output open."""
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     os._exit(0)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid`: its children, theirs, and so on (one scan of /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit():
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def _alive(pid: int) -> bool:
