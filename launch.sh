@@ -21,6 +21,8 @@
 #   PYTHON          interpreter (default: .venv/bin/python beside this script, else python3)
 #   OMP_NUM_THREADS, OMP_WAIT_POLICY   default: this node's cores / processes, and PASSIVE (idle threads sleep)
 #   MIMPIPE_DEBUG   1: a failing rank prints its traceback on the console too (always in RUN_DIR/logs/rank{N}.log)
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun lets its ranks save a checkpoint after passing on a SIGTERM,
+#                   before it SIGKILLs them (default here 120; torchrun's own 30); see docs/processes.md
 # In a SLURM allocation (SLURM_JOB_ID set, NNODES and HOSTFILE not): `srun --ntasks-per-node=1 ./launch.sh RECIPE`.
 #   NNODES (the step's nodes), NODE_RANK, MASTER_ADDR (first host of the step) and MASTER_PORT (20000 + job id %
 #   10000) come from SLURM unless set.
@@ -30,7 +32,7 @@ die() { echo "launch.sh: $*" >&2; exit 2; }
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 recipe="$1"; shift
@@ -132,6 +134,9 @@ if [[ "${MIMPIPE_MALLOC:-tcmalloc}" == "tcmalloc" && "${LD_PRELOAD:-}" != *tcmal
     fi
 fi
 
+# torchrun SIGKILLs its ranks this long after passing a SIGTERM on (preemption): 30 s by default, less than a large
+# checkpoint may take to save. It waits only as long as the ranks take; SLURM's own grace still bounds it.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 # core.torchrun is torchrun with its failure report cut to one line (the ranks print their own errors).
 if [[ -n "${HOSTFILE:-}" ]]; then
     # DeepSpeed's runner reaches the hosts over pdsh/ssh and starts them in this directory (same path everywhere);

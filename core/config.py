@@ -32,6 +32,7 @@ from core.sections import (
     TrainSpec,
 )
 from data.shard_read import ShardReadPolicy
+from data.workers import LOADER_TIMEOUT_S
 
 _READS = ShardReadPolicy()  # the defaults of the data.read_* keys
 
@@ -50,6 +51,11 @@ class DataConfig(Section):
     global_batch_size: int = Field(256, gt=0)
     """Samples per optimizer step over all ranks and accumulation micro-steps."""
     num_workers: int = Field(2, ge=0)
+    loader_timeout_s: float = Field(LOADER_TIMEOUT_S, gt=0)
+    """Seconds a rank waits for one batch from its data workers before it stops with one line naming the worker
+    (`data worker N of rank R gave no batch for T s`) instead of hanging on a stuck shard read or transform. It
+    covers the first batch too, which fills the worker's shuffle buffer (at most 256 MiB of encoded samples) first:
+    the default leaves that 30 minutes, ~150 KB/s per worker. With `num_workers: 0` there is no worker to wait for."""
     shuffle_buffer: int | None = Field(None, ge=0)
     """Samples (still encoded) each data worker holds to shuffle; 0 turns it off. Default: what `num_open_shards`
     shards hold together (counts from index.json), so that it mixes them whole, but at most 256 MiB of encoded

@@ -56,6 +56,7 @@ from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS, decode_rgb, image_fi
 from data.order import TrainOrder
 from data.shard_read import ShardCounts, ShardReadPolicy, read_shard
 from data.specs import WeightedShards, dataset_size, describe_shards, sample_quotas
+from data.workers import LOADER_TIMEOUT_S, worker_loader
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ def make_train_loader(
     label_field: str | None = None,
     num_open_shards: int = 8,
     read_policy: ShardReadPolicy | None = None,
+    timeout_s: float = LOADER_TIMEOUT_S,
 ) -> DataLoader:
     """An endless, deterministic stream of training batches for one rank.
 
@@ -114,6 +116,7 @@ def make_train_loader(
             sample's `.json` (`data.label_field`).
         num_open_shards: Shards each worker reads at once per source, interleaving their samples at random.
         read_policy: Timeout, retries and skipped-shard budget of every shard read; None: `ShardReadPolicy()`.
+        timeout_s: Seconds to wait for one batch from the workers before `DataWorkerTimeout` (data/workers.py).
 
     Returns:
         A DataLoader of batch dicts: "image" (B, 3, H, W) (uint8 from our transforms), "label" (B,) int64, "key"
@@ -155,7 +158,7 @@ def make_train_loader(
         label_field=label_field,
         read_policy=read_policy,
     )
-    return _make_loader(stream, num_workers)
+    return _make_loader(stream, num_workers, timeout_s)
 
 
 def make_eval_loader(
@@ -170,6 +173,7 @@ def make_eval_loader(
     label_field: str | None = None,
     max_samples: int | None = None,
     read_policy: ShardReadPolicy | None = None,
+    timeout_s: float = LOADER_TIMEOUT_S,
 ) -> DataLoader:
     """One pass over the shards in order; across all ranks and workers every sample appears once.
 
@@ -189,7 +193,7 @@ def make_eval_loader(
         labels=labels, label_field=label_field, read_policy=read_policy,
         quotas=None if max_samples is None else sample_quotas(shards, max_samples),
     )  # fmt: skip
-    return _make_loader(stream, min(num_workers, len(shards) // world_size))
+    return _make_loader(stream, min(num_workers, len(shards) // world_size), timeout_s)
 
 
 class _ShardStream(IterableDataset):
@@ -281,7 +285,7 @@ class _ShardStream(IterableDataset):
 
 
 # Object-store schemes go into webdataset's gopen table once its internals have been checked (data/wds_compat.py):
-# at import, so that DataLoader workers started by spawn, which import this module, have them too.
+# at import, so that DataLoader workers, forked from a fork server that imports this module, have them too.
 wds_compat.install()
 
 
@@ -399,14 +403,16 @@ def _restore_global_rngs(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str
         yield batch
 
 
-def _make_loader(stream: _ShardStream, num_workers: int) -> DataLoader:
-    """Wraps a stream in a DataLoader that leaves the caller's global RNG untouched."""
+def _make_loader(stream: _ShardStream, num_workers: int, timeout_s: float) -> DataLoader:
+    """Wraps a stream in a DataLoader that leaves the caller's global RNG untouched, with workers started from the
+    fork server and a timeout (data/workers.py)."""
     # DataLoader draws a base seed for its workers at every iter(); a private generator keeps that draw off
     # the global torch RNG (our streams seed themselves and do not use it).
     generator = torch.Generator().manual_seed(_mix_seed(stream.seed, _SEED_LOADER, stream.rank))
-    return DataLoader(
-        stream, batch_size=None, num_workers=num_workers, pin_memory=torch.cuda.is_available(), generator=generator
-    )
+    return worker_loader(
+        stream, num_workers=num_workers, timeout_s=timeout_s, rank=stream.rank, batch_size=None,
+        pin_memory=torch.cuda.is_available(), generator=generator,
+    )  # fmt: skip
 
 
 def _check_loader_args(

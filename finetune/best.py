@@ -83,6 +83,7 @@ class BestExport:
             num_workers=cfg.data.num_workers,
             label_field=cfg.data.label_field,
             read_policy=cfg.data.read_policy(),
+            timeout_s=cfg.data.loader_timeout_s,
         )
 
     def _report(self, step: int, metrics: dict[str, float], confusion: torch.Tensor | None) -> None:

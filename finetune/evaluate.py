@@ -3,7 +3,8 @@
 Every rank streams its own disjoint shards (`make_eval_loader`), sums loss / top-1 / top-5 / count (and, on request,
 a confusion matrix), and the sums are all-reduced once at the end. Ranks step in lock-step (one tiny all-reduce per
 batch says whether anyone still has data) and a rank that has run out forwards a zero-weight stand-in batch (a copy
-of its last real batch), because under ZeRO-3 every forward is collective.
+of its last real batch), because under ZeRO-3 every forward is collective. The same all-reduce carries whether any
+rank received SIGTERM: then every rank stops the pass at once (`preempt.StopAgreed`) and the loop saves the step.
 
 Shapes: B batch, K classes.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from core.engine import preempt
 from core.engine.distributed import DistInfo, all_reduce
 from core.engine.loop import to_device
 from core.metrics import topk_correct
@@ -48,6 +50,8 @@ def evaluate(
         ValueError: On every rank at the first batch, if some rank has no batch at all while others have some: it
             cannot forward a stand-in (ZeRO-3 forwards are collective) without a batch to copy. `make_eval_loader`
             gives each rank at least one shard, so this means a shard without samples.
+        preempt.StopAgreed: On every rank, when some rank received SIGTERM during the pass (the module is back in
+            training mode).
     """
     if confusion is not None and confusion.dtype != torch.int64:
         raise ValueError(f"evaluate: confusion must be int64, got {confusion.dtype}")
@@ -59,17 +63,19 @@ def evaluate(
     iterator = iter(batches)
     stand_in = None
     engine.eval()
-    while True:
-        batch = next(iterator, None)
-        if not _anyone_has_data(batch is not None, stand_in is not None, dist):
-            break
-        real = batch is not None
-        stand_in = batch if real else stand_in
-        batch = to_device(stand_in, dist.device, precision)
-        logits = engine(batch)["logits"].float()  # (B, K); bf16: under the engine's own autocast
-        if real:  # a stand-in is forwarded only to keep ZeRO-3 in step: weight 0, it is not added
-            _accumulate(logits, batch["label"], sums, counts)
-    engine.train()
+    try:
+        while True:
+            batch = preempt.next_unless_stopping(iterator)
+            if not _anyone_has_data(batch is not None, stand_in is not None, dist):
+                break
+            real = batch is not None
+            stand_in = batch if real else stand_in
+            batch = to_device(stand_in, dist.device, precision)
+            logits = engine(batch)["logits"].float()  # (B, K); bf16: under the engine's own autocast
+            if real:  # a stand-in is forwarded only to keep ZeRO-3 in step: weight 0, it is not added
+                _accumulate(logits, batch["label"], sums, counts)
+    finally:
+        engine.train()
     loss, top1, top5, count = all_reduce(sums).tolist()
     if confusion is not None:
         confusion.copy_(all_reduce(counts))
@@ -78,10 +84,13 @@ def evaluate(
 
 
 def _anyone_has_data(has_batch: bool, has_stand_in: bool, dist: DistInfo) -> bool:
-    """The per-batch lock-step all-reduce: whether any rank still has a batch; raises if some rank has none at all."""
+    """The per-batch lock-step all-reduce: whether any rank still has a batch; raises if some rank has none at all,
+    or `preempt.StopAgreed` if some rank received SIGTERM."""
     empty_rank = 0.0 if has_batch or has_stand_in else dist.rank + 1.0  # max-reduced: names one such rank
-    flags = torch.tensor([float(has_batch), empty_rank], device=dist.device)
-    anyone, empty_rank = all_reduce(flags, op="max").tolist()
+    flags = torch.tensor([float(has_batch), empty_rank, float(preempt.stop_requested())], device=dist.device)
+    anyone, empty_rank, stop = all_reduce(flags, op="max").tolist()
+    if stop:
+        raise preempt.StopAgreed("evaluation stopped early: a rank received SIGTERM")
     if anyone and empty_rank:  # same values on every rank, so they all raise here instead of hanging in a forward
         raise ValueError(
             f"evaluate: rank {int(empty_rank) - 1} got no samples from its eval shards while other ranks did. Every "

@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             resolve_shards(spec), transform=transform, batch_size=cfg.data.eval_batch_size_per_device, rank=0,
             world_size=1, num_workers=cfg.data.num_workers, label_field=cfg.data.label_field, max_samples=max_samples,
             read_policy=cfg.data.read_policy(),
+            timeout_s=cfg.data.loader_timeout_s,
         )  # fmt: skip
         return extract_features(model, loader, cfg.engine.precision)
 

@@ -9,6 +9,8 @@ Distributed: each rank embeds its own shards of both sets (`make_eval_loader`: e
 bank features are gathered on every rank, each rank classifies its own queries and the correct counts are summed,
 so every query is counted once. Ranks embed in lock-step (one small all-reduce per batch says whether anyone still
 has data): under ZeRO-3 every forward is collective, so a rank that has run out forwards a batch of zeros it ignores.
+The same all-reduce says whether any rank received SIGTERM: then every rank stops the pass (`preempt.StopAgreed`)
+and the loop saves the step.
 
 Training is untouched: the monitor draws no random numbers (and restores the torch, numpy and python RNGs anyway),
 does not read the training stream, and puts the module back into training mode.
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.engine import preempt
 from core.engine.distributed import DistInfo, all_gather_rows, all_reduce
 from core.engine.loop import autocast_context, to_device
 from core.metrics import topk_correct
@@ -127,14 +130,20 @@ def embed(
 
     Returns:
         (n, D) float32 features on `dist.device` and their (n,) int64 labels.
+
+    Raises:
+        preempt.StopAgreed: On every rank, when some rank received SIGTERM during the pass.
     """
     features, labels = [], []
     iterator: Iterator[dict] = iter(batches)
     stand_in = {"image": torch.zeros(1, *image_shape)}  # (1, 3, H, W)
     while True:
-        batch = next(iterator, None)
-        anyone = all_reduce(torch.tensor([float(batch is not None)], device=dist.device), op="max")
-        if not anyone.item():
+        batch = preempt.next_unless_stopping(iterator)
+        flags = torch.tensor([float(batch is not None), float(preempt.stop_requested())], device=dist.device)
+        anyone, stop = all_reduce(flags, op="max").tolist()
+        if stop:
+            raise preempt.StopAgreed("kNN pass stopped early: a rank received SIGTERM")
+        if not anyone:
             break
         inputs = to_device(batch if batch is not None else stand_in, dist.device, precision)
         with autocast_context(precision, dist.device):
@@ -186,7 +195,7 @@ def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
             return make_eval_loader(
                 resolve_shards(spec), transform=transform, batch_size=knn.batch_size_per_device, rank=dist.rank,
                 world_size=dist.world_size, num_workers=cfg.data.num_workers, label_field=cfg.data.label_field,
-                max_samples=max_samples, read_policy=cfg.data.read_policy(),
+                max_samples=max_samples, read_policy=cfg.data.read_policy(), timeout_s=cfg.data.loader_timeout_s,
             )  # fmt: skip
         except ValueError as err:  # no such shards, fewer shards than ranks
             raise ValueError(f"{key}: {err}") from err

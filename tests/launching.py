@@ -8,13 +8,16 @@ recipe that does not, so CI catches one as well as a GPU host would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tarfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -118,18 +121,40 @@ def launch_env(nproc: int = 2, extra_env: dict | None = None, device: str = "cpu
     }
 
 
+def run_in_session(
+    cmd: list[str], *, timeout: float, merge_output: bool = False, **popen
+) -> subprocess.CompletedProcess:
+    """`subprocess.run` in a session of its own, whose whole process group is killed (SIGKILL) on timeout, not only
+    the direct child: a timed-out run leaves nothing behind (its ranks, in sessions of their own under torchrun, die
+    with it: core/engine/parent_death.py). Output is captured as text, stderr into stdout with `merge_output`.
+
+    Raises:
+        subprocess.TimeoutExpired: After the kill, with the output so far.
+    """
+    stderr = subprocess.STDOUT if merge_output else subprocess.PIPE
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True, **popen
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as expired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from expired
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def launch(recipe: Path, *overrides: str, nproc: int = 2, timeout: int = 300, extra_env: dict | None = None):
     """Run ./launch.sh as a user would, with the accelerator of the recipe's pinned device (`pinned_device`);
-    returns the CompletedProcess (stdout and stderr merged)."""
+    returns the CompletedProcess (stdout and stderr merged). On timeout the whole run is killed (`run_in_session`)."""
     device = pinned_device(recipe, overrides)
-    return subprocess.run(
+    return run_in_session(
         [str(REPO / "launch.sh"), str(recipe), *overrides],
         cwd=REPO,
         env=launch_env(nproc, extra_env, device),
         timeout=timeout,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        merge_output=True,
     )
 
 
@@ -139,15 +164,47 @@ def torchrun(
     """Run the worker `script` (a name in tests/dist, or a path) with `args` under torchrun: `nproc` processes, one
     thread each, with DeepSpeed's accelerator for `device` ("cpu", or "cuda" for a tests/gpu worker). Asserts that
     every process exited 0 (failing with the end of its stderr) and returns the CompletedProcess (stdout and stderr
-    apart)."""
+    apart). On timeout the whole run is killed (`run_in_session`)."""
     path = script if isinstance(script, Path) else REPO / "tests" / "dist" / script
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     cmd += ["--master-port", str(free_port()), str(path), *map(str, args)]
     assert device in DEVICES, device
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": device}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_in_session(cmd, cwd=REPO, env=env, timeout=timeout)
     assert proc.returncode == 0, f"{script} {' '.join(map(str, args))}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
     return proc
+
+
+MARKER = "MIMPIPE_TEST_MARKER"
+"""An environment variable a test sets to tell its run's processes apart: every process of the run inherits it."""
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def marked_processes(marker: str) -> set[int]:
+    """Pids of the running processes whose environment holds `MARKER=marker`."""
+    wanted, found = f"{MARKER}={marker}".encode(), set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and wanted in (entry / "environ").read_bytes().split(b"\0"):
+                found.add(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return {pid for pid in found if process_running(pid)}
+
+
+def wait_gone(pids, seconds: float = 10.0) -> set[int]:
+    """Waits up to `seconds` for the processes `pids` to end; returns those still running."""
+    deadline = time.monotonic() + seconds
+    while (running := {pid for pid in pids if process_running(pid)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.config import Config
+from core.engine import preempt
 from core.engine.agreement import StepAgreement
 from core.engine.checkpoint import RNGState, SaveOutcome, save_checkpoint
 from core.engine.compiled import compile_seconds
@@ -221,13 +222,15 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
             _log(run, window, meter, step, lr=lr, engine=engine, optimizer=optimizer)
         if not stop:  # a preempted run has seconds left (torchrun's and SLURM's grace): only the checkpoint counts
             extras_start = time.perf_counter()
-            _periodic_extras(cfg, step, first_step, total_steps, logger, hooks)
+            stop = _periodic_extras(cfg, step, first_step, total_steps, logger, hooks, device)
             window.start += time.perf_counter() - extras_start  # pictures and evaluation are not training throughput
         state.step = step
         save_due, saved = save_due or save_now, None
         if stop or (save_due and read_now):
             saved = _save_unless_nonfinite(run, engine, step, preempted=stop)
             save_due = saved is None  # deferred; a save that failed (a full disk) waits for the next checkpoint step
+            if saved is not None:
+                stop = stop or _anyone_stopping(device)  # a SIGTERM during the save: this checkpoint is the one
         if stop:
             where = f"with checkpoint {saved.tag_dir}" if saved is not None and saved.tag_dir is not None else None
             raise PreemptedError(_preempted(step, total_steps, where))
@@ -287,16 +290,37 @@ def _log(run: StageRun, window: _Window, meter, step: int, *, lr: float, engine,
         cfg.data.read_policy().check_skipped(num_skipped, num_reads, num_train_shards(cfg), "over all ranks")
 
 
-def _periodic_extras(cfg: Config, step: int, first_step: int, total_steps: int, logger, hooks: LoopHooks) -> None:
+def _periodic_extras(
+    cfg: Config, step: int, first_step: int, total_steps: int, logger, hooks: LoopHooks, device: torch.device
+) -> bool:
     """Pictures every `logging.image_every_steps` (and at the first and last step), evaluation every
     `cfg.eval_every_steps` and at the last step. Both run before the step's checkpoint, so that it holds what the
-    evaluation changed (the best score of a fine-tuning run)."""
+    evaluation changed (the best score of a fine-tuning run).
+
+    Returns:
+        Whether to stop after this step, the same on every rank: an evaluation cut short by a SIGTERM
+        (`preempt.StopAgreed`, nothing of it logged), or a SIGTERM that arrived while the extras ran.
+    """
     image_every = cfg.logging.image_every_steps
-    if hooks.log_images is not None and image_every and (step % image_every == 0 or step in (first_step, total_steps)):
-        hooks.log_images(step)
+    pictures = (
+        hooks.log_images is not None and image_every and (step % image_every == 0 or step in (first_step, total_steps))
+    )
     every = cfg.eval_every_steps
-    if hooks.evaluate is not None and (step == total_steps or (every and step % every == 0)):
-        logger.scalars(step, hooks.evaluate(step))
+    evaluation = hooks.evaluate is not None and (step == total_steps or (every and step % every == 0))
+    try:
+        if pictures:
+            hooks.log_images(step)
+        if evaluation:
+            logger.scalars(step, hooks.evaluate(step))
+    except preempt.StopAgreed:
+        return True
+    return bool(pictures or evaluation) and _anyone_stopping(device)
+
+
+def _anyone_stopping(device: torch.device) -> bool:
+    """Whether some rank received SIGTERM, the same on every rank (one all-reduce and a host read: only after the
+    rare steps with pictures, an evaluation or a save, so that the run stops with them instead of steps later)."""
+    return bool(all_reduce(torch.tensor(float(preempt.stop_requested()), device=device), op="max").item())
 
 
 def _read_agreement(agreement: StepAgreement, state: TrainState, cfg: Config, step: int) -> bool:

@@ -4,21 +4,36 @@ The handler only records the request. The loop reads it once per optimizer step 
 all-reduce they already do for the non-finite check, so every rank stops after the same step, saves a checkpoint of
 it and exits with `EXIT_PREEMPTED`. Launching the same command again resumes from that checkpoint.
 
-DataLoader workers live in their rank's process group, and torchrun (`killpg`) and SLURM (every process of the step)
-signal them too. A worker killed by that SIGTERM would fail its rank before the checkpoint, so a process forked while
-the handler is installed blocks SIGTERM and leaves it to one thread, which exits only on its parent's SIGTERM
-(multiprocessing's `terminate()`, as DataLoader's own worker handler does) and ignores everyone else's.
+An evaluation pass (fine-tuning's, the kNN monitor's) is cut short instead of finished: its ranks already agree once
+per batch whether anyone still has data, and they agree on the stop in the same all-reduce (`StopAgreed`). A rank
+waiting for its next evaluation batch stops waiting at once (`next_unless_stopping`). A checkpoint being saved when
+the signal arrives is finished, and the loop then stops with it.
+
+DataLoader workers and their fork server ignore a SIGTERM that does not come from their rank (data/workers.py):
+torchrun (`killpg`) and SLURM (every process of the step) signal them too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
 
 EXIT_PREEMPTED = 4
 """Process exit code of a rank that stopped on SIGTERM after saving a checkpoint."""
+
+
+class StopAgreed(Exception):
+    """Raised on every rank at once by a collective pass (an evaluation) that stopped early because some rank
+    received SIGTERM; the loop then saves the step and exits with `EXIT_PREEMPTED`."""
+
+
+class _Interrupted(BaseException):
+    """Raised by the handler inside `_interruptible()`; a BaseException so that no `except Exception` swallows it."""
 
 
 class _Watch:
@@ -26,17 +41,14 @@ class _Watch:
 
     installed = False
     requested = False
+    interruptible = False
     previous: Callable | int | None = None
-    fork_hook = False
 
 
 def install() -> None:
     """Record SIGTERM instead of dying, until `restore()`. Idempotent; call it from the main thread."""
     if _Watch.installed:
         return
-    if not _Watch.fork_hook:  # os.register_at_fork has no way back: the hook checks `installed` at each fork
-        os.register_at_fork(after_in_child=_guard_forked_child)
-        _Watch.fork_hook = True
     _Watch.requested = False
     _Watch.previous = signal.signal(signal.SIGTERM, _on_sigterm)
     _Watch.installed = True
@@ -54,23 +66,34 @@ def stop_requested() -> bool:
     return _Watch.requested
 
 
+def next_unless_stopping(iterator: Iterator[T]) -> T | None:
+    """`next(iterator, None)`, but None at once if SIGTERM arrives (or has arrived) meanwhile: a rank that waits for
+    a slow or stuck evaluation batch stops waiting and tells the others (`stop_requested()`). The iterator is
+    unusable after such a stop."""
+    if _Watch.requested:
+        return None
+    try:
+        with _interruptible():
+            return next(iterator, None)
+    except _Interrupted:
+        return None
+
+
+@contextlib.contextmanager
+def _interruptible():
+    _Watch.interruptible = True
+    try:
+        yield
+    finally:
+        _Watch.interruptible = False
+
+
 def _on_sigterm(signum: int, frame) -> None:
     if not _Watch.requested:
         rank = os.environ.get("RANK", "0")
         # os.write, not print: the handler may interrupt a print to the same stream (a reentrant-call error).
         os.write(2, f"[mimpipe] rank {rank}: SIGTERM received; stopping after the current step\n".encode())
     _Watch.requested = True
-
-
-def _guard_forked_child() -> None:
-    # A signal mask survives DataLoader's own SIGTERM action in its workers; the action is set after this hook runs.
-    if _Watch.installed:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        threading.Thread(target=_exit_on_parents_sigterm, name="mimpipe-sigterm", daemon=True).start()
-
-
-def _exit_on_parents_sigterm() -> None:
-    while True:
-        info = signal.sigwaitinfo({signal.SIGTERM})
-        if info.si_pid == os.getppid():
-            os._exit(0)
+    if _Watch.interruptible:
+        _Watch.interruptible = False
+        raise _Interrupted

@@ -22,6 +22,7 @@ from core.engine.distributed import DistInfo, init_distributed, shutdown
 from core.engine.ds_compat import is_partitioned, partition_report
 from core.engine.failure import StageExit, log_tracebacks_to
 from core.engine.loop import LoopHooks, NonFiniteLossError, PreemptedError, TrainState, train
+from core.engine.parent_death import die_with_launcher
 from core.engine.plan import launch_plan
 from core.engine.preempt import EXIT_PREEMPTED
 from core.engine.rollback import TooManyRollbacksError
@@ -30,6 +31,7 @@ from core.engine.utilisation import device_peak
 from core.logging import MetricsLogger
 from core.rundir import ALLOW_FLAG, Relaunch, keep_launch_config, mark_finished, relaunch
 from data.specs import dataset_size
+from data.workers import start_fork_server
 
 EXIT_NONFINITE = 3
 """Process exit code after `engine.max_consecutive_nonfinite` non-finite steps in a row, or a loss spike after
@@ -84,7 +86,10 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
     args = parser.parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
     log_tracebacks_to(cfg.run_dir)  # an error from here on leaves its traceback in run_dir/logs (see run_guarded)
-    preempt.install()  # before the data stream forks its workers, which must outlive a SIGTERM (see preempt.py)
+    preempt.install()
+    die_with_launcher()
+    if cfg.data.num_workers:
+        start_fork_server()  # its imports overlap the set-up below (data/workers.py)
     dist = init_distributed(cfg.engine.device)
     if resolve is not None:
         resolve(cfg)

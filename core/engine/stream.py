@@ -67,6 +67,7 @@ def train_loader(
         label_field=cfg.data.label_field,
         num_open_shards=cfg.data.num_open_shards,
         read_policy=cfg.data.read_policy(),
+        timeout_s=cfg.data.loader_timeout_s,
     )
 
 

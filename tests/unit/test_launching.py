@@ -4,13 +4,23 @@ accelerator of the recipe's device. On a GPU host `make test` then runs what CI 
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
 from core.config import load_config
-from tests.launching import finetune_recipe, launch, launch_env, pinned_device, pretrain_recipe, write_recipe
+from tests.launching import (
+    finetune_recipe,
+    launch,
+    launch_env,
+    pinned_device,
+    pretrain_recipe,
+    run_in_session,
+    wait_gone,
+    write_recipe,
+)
 
 SHARDS = {"train": Path("/shards/train"), "val": Path("/shards/val")}
 
@@ -66,3 +76,12 @@ def test_the_processes_get_the_accelerator_of_the_device(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")  # what a GPU host's user may have set
     assert launch_env(nproc=1)["DS_ACCELERATOR"] == "cpu"
     assert launch_env(nproc=1, device="cuda")["DS_ACCELERATOR"] == "cuda"
+
+
+def test_a_timed_out_run_is_killed_with_everything_it_started():
+    """`launch` and `torchrun` run their command through `run_in_session`: on timeout the whole process group goes,
+    here a shell and the `sleep` it left in the background (as torchrun leaves its ranks)."""
+    with pytest.raises(subprocess.TimeoutExpired) as expired:
+        run_in_session(["sh", "-c", "sleep 300 & echo $!; sleep 300"], timeout=1)
+    background = int(expired.value.stdout.split()[0])
+    assert wait_gone([background]) == set()

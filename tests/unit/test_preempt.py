@@ -1,0 +1,154 @@
+"""SIGTERM during an evaluation, the kNN pass or a save (core/engine/preempt.py): the pass stops on every rank at
+once, a save in progress finishes, and the loop ends with that step's checkpoint and `EXIT_PREEMPTED`.
+
+The signal is real (sent to this process); the other rank of a two-rank run is an all-reduce that says what it
+received. Loop recipe: defaults with a toy objective through `parallelize` (one gloo rank), as tests/unit/
+test_host_syncs.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import finetune.evaluate as evaluate_module
+import pretrain.knn as knn_module
+from core.config import dump_config, load_config
+from core.engine import loop as loop_module
+from core.engine import preempt
+from core.engine.loop import LoopHooks, TrainState
+from core.engine.run import StageRun, run_loop
+from core.engine.setup import parallelize
+from core.logging import MetricsLogger
+from tests.launching import read_metrics
+from tests.unit.conftest import tiny_vit
+from tests.unit.test_evaluate import DIST, EchoEngine, one_hot_batch
+
+
+@pytest.fixture
+def watching():
+    """SIGTERM handled as a run handles it, for the test's duration."""
+    preempt.install()
+    yield
+    preempt.restore()
+
+
+def _sigterm_self() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _then_sigterm_and_hang(batches: list[dict]):
+    """Yields `batches`, then receives SIGTERM while waiting for a batch that would take a minute."""
+    yield from batches
+    _sigterm_self()
+    time.sleep(60)
+    yield batches[0]
+
+
+def test_a_sigterm_while_waiting_for_a_batch_ends_the_wait(watching):
+    """A rank waiting on a slow or stuck evaluation loader stops waiting (and says so to the others)."""
+    start = time.monotonic()
+    assert preempt.next_unless_stopping(_then_sigterm_and_hang([])) is None
+    assert time.monotonic() - start < 30 and preempt.stop_requested()
+    assert preempt.next_unless_stopping(iter([1])) is None  # once stopping, nothing more is read
+
+
+def test_without_sigterm_next_unless_stopping_is_next(watching):
+    batches = iter([1, 2])
+    assert [preempt.next_unless_stopping(batches) for _ in range(3)] == [1, 2, None]
+    assert not preempt.stop_requested()
+
+
+def peer_stops(position: int):
+    """all_reduce as seen by a rank whose peer still has data and received SIGTERM (its flag at `position`)."""
+
+    def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if op == "max":
+            tensor[0], tensor[position] = 1.0, 1.0
+        return tensor
+
+    return all_reduce
+
+
+def test_evaluation_stops_on_every_rank_when_one_received_sigterm(monkeypatch):
+    monkeypatch.setattr(evaluate_module, "all_reduce", peer_stops(2))
+    engine = EchoEngine()
+    with pytest.raises(preempt.StopAgreed):
+        evaluate_module.evaluate(engine, [one_hot_batch([0], [0])] * 3, dist=DIST, precision="fp32")
+    assert engine.num_forwards == 0 and engine.training  # stopped before the first forward, back in training mode
+
+
+def test_knn_pass_stops_on_every_rank_when_one_received_sigterm(monkeypatch):
+    monkeypatch.setattr(knn_module, "all_reduce", peer_stops(1))
+    vit, seen = tiny_vit(), []
+    vit.patch_embed.register_forward_hook(lambda module, args, out: seen.append(1))
+    batch = {"image": torch.randn(2, 3, 16, 16), "label": torch.tensor([1, 2])}
+    with pytest.raises(preempt.StopAgreed):
+        knn_module.embed(vit, [batch] * 3, dist=DIST, precision="fp32", pooling="cls", image_shape=(3, 16, 16))
+    assert seen == []
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, batch: dict) -> dict:
+        return {"loss": self.lin(batch["image"]).pow(2).mean()}
+
+
+def _run(one_rank, tmp_path: Path, steps: int, hooks: LoopHooks, *overrides: str) -> tuple[int, Path]:
+    """run_loop on the toy objective: (exit code, checkpoints directory)."""
+    cfg = load_config(
+        None,
+        [f"run_dir={tmp_path}", f"schedule.steps={steps}", "schedule.warmup_steps=0", "engine.zero_stage=1"]
+        + ["data.global_batch_size=2", "logging.every_steps=1", "engine.sync_every_steps=100", *overrides],
+    )
+    torch.manual_seed(0)
+    engine, optimizer = parallelize(Toy(), cfg=cfg, dist=one_rank, run_dir=tmp_path)
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, total_steps=steps)
+    run = StageRun(cfg, "", one_rank, tmp_path, dump_config(cfg), None, steps, 0, None, TrainState(), logger)
+
+    def batches():
+        while True:
+            yield {"image": torch.randn(2, 4), "num_corrupt": torch.tensor(0)}
+
+    return run_loop(run, engine, optimizer, batches(), hooks), tmp_path / "checkpoints"
+
+
+def test_sigterm_during_an_evaluation_saves_that_step_and_exits_preempted(one_rank, tmp_path):
+    """The evaluation at step 2 waits for its second batch when SIGTERM arrives: the loop saves step 2 at once (no
+    checkpoint was due) and returns 4; nothing of the cut evaluation is logged."""
+
+    def evaluate(step: int) -> dict[str, float]:
+        batches = _then_sigterm_and_hang([one_hot_batch([0], [0])])
+        return evaluate_module.evaluate(EchoEngine(), batches, dist=one_rank, precision="fp32")
+
+    start = time.monotonic()
+    code, checkpoints = _run(one_rank, tmp_path, 10, LoopHooks(evaluate=evaluate), "eval.knn.every_steps=2")
+    assert code == preempt.EXIT_PREEMPTED and time.monotonic() - start < 50
+    assert (checkpoints / "latest").read_text() == "step_00000002"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000002"]
+    logged = read_metrics(tmp_path)
+    assert max(m["step"] for m in logged) == 2 and not any("val/top1" in m for m in logged)
+
+
+def test_sigterm_during_a_save_ends_the_run_with_that_checkpoint(one_rank, tmp_path, monkeypatch):
+    """The save of step 3 is under way when SIGTERM arrives: it completes, and the run stops with it, instead of
+    running on to the next agreement (step 6, another save) inside the grace period."""
+    real_save = loop_module.save_checkpoint
+
+    def save_while_signalled(*args, **kwargs):
+        _sigterm_self()
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "save_checkpoint", save_while_signalled)
+    code, checkpoints = _run(one_rank, tmp_path, 12, LoopHooks(), "checkpoint.every_steps=3")
+    assert code == preempt.EXIT_PREEMPTED
+    assert (checkpoints / "latest").read_text() == "step_00000003"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000003"]
