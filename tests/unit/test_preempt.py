@@ -25,6 +25,7 @@ from core.engine.loop import LoopHooks, TrainState
 from core.engine.run import StageRun, run_loop
 from core.engine.setup import parallelize
 from core.logging import MetricsLogger
+from data.pipeline import zero_counts
 from tests.launching import read_metrics
 from tests.unit.conftest import tiny_vit
 from tests.unit.test_evaluate import DIST, EchoEngine, one_hot_batch
@@ -116,7 +117,7 @@ def _run(one_rank, tmp_path: Path, steps: int, hooks: LoopHooks, *overrides: str
 
     def batches():
         while True:
-            yield {"image": torch.randn(2, 4), "num_corrupt": torch.tensor(0)}
+            yield {"image": torch.randn(2, 4), **zero_counts()}
 
     return run_loop(run, engine, optimizer, batches(), hooks), tmp_path / "checkpoints"
 
