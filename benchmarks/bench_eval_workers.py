@@ -129,7 +129,7 @@ def _report(times: dict[str, list[list[float]]], args: argparse.Namespace, load_
         f"{args.rounds} interleaved rounds; multiprocessing {multiprocessing.get_all_start_methods()}",
         f"- 1-min load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} (a shared machine: read "
         "the side-by-side differences, not the absolute times)",
-        "- command: `python benchmarks/bench_eval_workers.py`",
+        f"- command: `python benchmarks/bench_eval_workers.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
         "",
         "| start method | first pass, ms (median) | later passes, ms (median) | later pass minus num_workers=0, ms |",
         "|---|---:|---:|---:|",
