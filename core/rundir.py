@@ -44,6 +44,14 @@ MAY_CHANGE = {
     "engine.sync_every_steps": "host reads only; the updates are the same",
     "engine.max_consecutive_nonfinite": "when to stop; the updates are the same",
     "engine.peak_tflops": "perf/mfu's denominator only",
+    "engine.spike_factor": "when to roll back; the updates are the same",
+    "engine.spike_window": "when to roll back; the updates are the same",
+    "engine.max_rollbacks": "when to stop; the updates are the same",
+    "data.read_timeout_s": "how long a shard read may wait (storage)",
+    "data.read_retries": "how often a shard read is tried (storage)",
+    "data.read_backoff_s": "the wait between tries of a shard read (storage)",
+    "data.max_skipped_shard_fraction": "when to stop on failing storage",
+    "data.loader_timeout_s": "how long a rank waits for a batch",
 }
 """Keys a resumed run may change (the value says why it is safe): they change how long the run is, how often it
 logs, saves and evaluates, and how it is fed, never what a step computes from its batch. Everything else (the model,
