@@ -98,7 +98,7 @@ def test_a_stuck_worker_is_one_line_naming_it_and_is_stopped(shards):
     message = str(raised.value)
     assert message.startswith("data worker 0 of rank 0 gave no batch for 2 s (pid ")
     assert "data.loader_timeout_s=2" in message and "\n" not in message
-    assert 2 <= waited < 30
+    assert 2 <= waited < 600  # the timeout ended the wait, not the stalled sample (an hour)
     worker = int(message.split("(pid ")[1].split(",")[0])
     del batches, raised
     assert wait_gone([worker]) == set()  # the loader's shutdown stopped it (our SIGTERM is its rank's)
