@@ -218,9 +218,14 @@ def _all_gather(value) -> list:
     return values
 
 
+def _shared() -> bool:
+    """Whether this process is one of several ranks (a group of one, e.g. a test's, decides alone)."""
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
 def _broadcast(value):
     """Rank 0's `value` on every rank."""
-    if not torch.distributed.is_initialized():
+    if not _shared():
         return value
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
@@ -251,7 +256,7 @@ def find_resume(run_dir: Path, rank: int, world_size: int, step: int | None = No
     if step is not None:
         tag = tag_of(step)
     else:
-        local = rank == 0 or not torch.distributed.is_initialized()
+        local = rank == 0 or not _shared()
         tag, note = _broadcast(choose_resume(ckpt_dir) if local else None)
         if note is not None and rank == 0:
             print(note, flush=True)

@@ -55,10 +55,12 @@ def install() -> None:
 
 
 def restore() -> None:
-    """Put back the SIGTERM handler that `install()` replaced."""
+    """Put back the SIGTERM handler that `install()` replaced; a request recorded meanwhile is forgotten (what runs
+    next in this process, e.g. another stage's loop in tests, starts unrequested)."""
     if _Watch.installed:
         signal.signal(signal.SIGTERM, _Watch.previous)
         _Watch.installed = False
+        _Watch.requested = False
 
 
 def stop_requested() -> bool:
