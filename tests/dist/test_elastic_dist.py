@@ -15,7 +15,7 @@ import torch
 from core.engine.ds_compat import universal_command
 from tests.launching import torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.faults]  # a relaunch at other world sizes: `make test-faults`
 
 COLLECTIVE_TIMEOUT_S = 15  # of the run whose rank 0 converts for longer (elastic_worker.py `slow=`)
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.launching import REPO, launch, launch_env, losses, pretrain_recipe, write_recipe
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.faults]  # killed and signalled runs: `make test-faults`
 
 LONG = {"schedule": {"steps": 400, "warmup_steps": 2}, "logging": {"every_steps": 1, "image_every_steps": 0}}
 

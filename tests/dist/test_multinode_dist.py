@@ -116,6 +116,7 @@ def test_two_nodes_on_loopback(shards, tmp_path, monkeypatch):
     check_two_node_run(tmp_path / "run", codes, logs, monkeypatch)
 
 
+@pytest.mark.faults
 def test_rendezvous_restart_resumes_from_latest(shards, tmp_path):
     """RDZV_ENDPOINT + MAX_RESTARTS=1, two nodes on loopback: a worker killed after the first checkpoint makes both
     nodes restart their workers, which meet again and resume from `latest` (tiny MAE, 30 steps, checkpoint every 3)."""
