@@ -31,8 +31,9 @@ def step_of(tag: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the names created, replaced or removed in the directory `path` durable (a file's own fsync does not)."""
+def fsync_path(path: Path) -> None:
+    """Make a file's contents durable, or for a directory the names created, replaced or removed in it (which a
+    file's own fsync does not)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -58,7 +59,7 @@ def atomic_write(path: Path, text: str) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def tag_folders(ckpt_dir: Path) -> list[tuple[int, Path]]:
@@ -71,7 +72,7 @@ def tag_folders(ckpt_dir: Path) -> list[tuple[int, Path]]:
 def write_marker(tag_dir: Path, files: dict[str, int]) -> None:
     """Mark `tag_dir` complete, listing `files` ({name: bytes}); the folder itself is fsynced first, so that every
     name the marker lists is durable before the marker is."""
-    fsync_dir(tag_dir)
+    fsync_path(tag_dir)
     atomic_write(tag_dir / COMPLETE, json.dumps({"files": files}, sort_keys=True))
 
 

@@ -28,6 +28,7 @@ from timm.layers import Attention
 from timm.models import VisionTransformer
 
 from core import timm_compat
+from core.engine.ckpt_files import fsync_path
 from core.manifest import MANIFEST_NAME
 
 _ADDED_MANIFEST_KEYS = ("created", "num_tensors", "num_params", "versions")
@@ -163,14 +164,6 @@ def _check_rebuilds(model: VisionTransformer, export_dir: Path, tensors: dict[st
 def _num_heads(model: torch.nn.Module) -> list[int]:
     """Heads of every timm attention layer (weights do not show them); [] for a model without any."""
     return [m.num_heads for m in model.modules() if isinstance(m, Attention)]
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def swap_in(tmp_dir: Path, out_dir: Path) -> None:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import finetune.evaluate as evaluate_module
 import pretrain.knn as knn_module
@@ -29,6 +28,7 @@ from data.pipeline import zero_counts
 from tests.launching import read_metrics
 from tests.unit.conftest import tiny_vit
 from tests.unit.test_evaluate import DIST, EchoEngine, one_hot_batch
+from tests.unit.test_host_syncs import Toy
 
 
 @pytest.fixture
@@ -97,15 +97,6 @@ def test_knn_pass_stops_on_every_rank_when_one_received_sigterm(monkeypatch):
     with pytest.raises(preempt.StopAgreed):
         knn_module.embed(vit, [batch] * 3, dist=DIST, precision="fp32", pooling="cls", image_shape=(3, 16, 16))
     assert seen == []
-
-
-class Toy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, batch: dict) -> dict:
-        return {"loss": self.lin(batch["image"]).pow(2).mean()}
 
 
 def _run(one_rank, tmp_path: Path, steps: int, hooks: LoopHooks, *overrides: str) -> tuple[int, Path]:
