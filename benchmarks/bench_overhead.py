@@ -160,8 +160,9 @@ def run_engine(cfg, spec: dict, batch: dict, marks: list[tuple[float, float]]) -
 
     from core.config import dump_config
     from core.engine.distributed import init_distributed
-    from core.engine.loop import TrainState, train
+    from core.engine.loop import train
     from core.engine.setup import parallelize
+    from core.engine.train_state import TrainState
     from core.logging import MetricsLogger
 
     dist = init_distributed("cpu")

@@ -195,8 +195,9 @@ def run_engine(cfg, spec: dict, batch: dict, clock: Clock) -> None:
 def train_until_done(cfg, engine, optimizer, batches, *, dist, run_dir: Path) -> None:
     """`core.engine.loop.train` on `batches` (which end by raising MeasurementDone), without logging or checkpoints."""
     from core.config import dump_config
-    from core.engine.loop import LoopHooks, TrainState, train
+    from core.engine.loop import LoopHooks, train
     from core.engine.run import StageRun
+    from core.engine.train_state import TrainState
     from core.logging import MetricsLogger
 
     total = cfg.schedule.steps

@@ -357,7 +357,7 @@ def chi_square(labels: list[int], num_classes: int) -> float:
 def position_after(batches: Sequence[dict], num_batches: int) -> dict:
     """The data position the training loop holds after consuming the first `num_batches` of `batches`
     (`TrainState.consume`, which takes each batch's cursor): what a checkpoint then saves for this rank."""
-    from core.engine.loop import TrainState
+    from core.engine.train_state import TrainState
 
     state = TrainState()
     for batch in batches[:num_batches]:

@@ -20,7 +20,7 @@ from core.engine import preempt
 from core.engine.distributed import all_reduce
 
 if TYPE_CHECKING:
-    from core.engine.loop import TrainState
+    from core.engine.train_state import TrainState
 
 
 class StepAgreement:

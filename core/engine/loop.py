@@ -17,7 +17,7 @@ import contextlib
 import resource
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,8 +32,8 @@ from core.engine.ds_compat import loss_scale, scales_loss_itself, skipped_steps
 from core.engine.rollback import SpikeWatch, roll_back
 from core.engine.schedule import lr_at
 from core.engine.stream import num_train_shards
+from core.engine.train_state import TrainState
 from core.engine.utilisation import start_meter
-from data.cursor import advance
 from data.device import batch_to_device
 
 if TYPE_CHECKING:
@@ -46,55 +46,6 @@ class NonFiniteLossError(RuntimeError):
 
 class PreemptedError(RuntimeError):
     """A rank received SIGTERM: every rank stopped after the same step and saved a checkpoint of it."""
-
-
-@dataclass
-class TrainState:
-    """What the loop carries between steps and saves in every checkpoint (besides model, optimizer and RNG)."""
-
-    step: int = 0
-    batches_consumed: int = 0
-    """Micro-batches this rank has drawn from its stream."""
-    data_position: dict | None = None
-    """Where this rank's data streams stand after the last micro-batch drawn (data/cursor.py), to resume from."""
-    nonfinite_skipped: int = 0
-    consecutive_nonfinite: int = 0
-    corrupt_samples: int = 0
-    shard_reads: int = 0
-    """Shard reads the data workers of all ranks began (data/shard_read.py)."""
-    skipped_shards: int = 0
-    """Shard reads given up after the last try: the rest of the shard was skipped (`data/skipped_shards`)."""
-    rollbacks: int = 0
-    """Loss spikes rolled back so far (core/engine/rollback.py): kept across rollbacks and resumes."""
-    best_top1: float = -1.0
-    """Fine-tuning: the best `val/top1` so far (the weights in run_dir/export) and the step it was measured at, kept
-    across a resume so that a worse evaluation never overwrites the exported best."""
-    best_step: int = 0
-
-    def state_dict(self) -> dict:
-        """Every field: a field added to the class is saved and resumed (elastic resume included) with no other
-        change."""
-        return asdict(self)
-
-    def consume(self, batch: dict) -> None:
-        """Counts a micro-batch drawn from the stream and takes its stream's cursor (out of the batch) as the data
-        position; a batch without one (a synthetic stand-in) leaves the position as it is."""
-        self.batches_consumed += 1
-        cursor = batch.pop("cursor", None)
-        if cursor is not None:
-            self.data_position = advance(self.data_position, cursor)
-
-    def load_state_dict(self, state: dict) -> None:
-        """Sets the fields `state` holds (a checkpoint from before a field existed keeps its default).
-
-        Raises:
-            ValueError: If `state` names a field this class does not have.
-        """
-        unknown = sorted(set(state) - {f.name for f in fields(self)})
-        if unknown:
-            raise ValueError(f"checkpoint train state has fields {unknown} that TrainState does not know")
-        for name, value in state.items():
-            setattr(self, name, value)
 
 
 def autocast_context(precision: str, device: torch.device):

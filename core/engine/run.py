@@ -21,12 +21,13 @@ from core.engine.compiled import describe_compiled
 from core.engine.distributed import DistInfo, init_distributed, shutdown
 from core.engine.ds_compat import is_partitioned, partition_report
 from core.engine.failure import StageExit, log_tracebacks_to
-from core.engine.loop import LoopHooks, NonFiniteLossError, PreemptedError, TrainState, train
+from core.engine.loop import LoopHooks, NonFiniteLossError, PreemptedError, train
 from core.engine.parent_death import die_with_launcher
 from core.engine.plan import launch_plan
 from core.engine.preempt import EXIT_PREEMPTED
 from core.engine.rollback import TooManyRollbacksError
 from core.engine.setup import parallelize
+from core.engine.train_state import TrainState
 from core.engine.utilisation import device_peak
 from core.logging import MetricsLogger
 from core.rundir import ALLOW_FLAG, Relaunch, keep_launch_config, mark_finished, relaunch

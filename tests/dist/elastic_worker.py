@@ -16,8 +16,8 @@ from core.config import dump_config, load_config
 from core.engine import ds_compat
 from core.engine.checkpoint import find_resume, load_checkpoint, save_checkpoint
 from core.engine.distributed import init_distributed
-from core.engine.loop import TrainState
 from core.engine.setup import parallelize
+from core.engine.train_state import TrainState
 from pretrain.objectives import objective_builder
 
 OVERRIDES = [

@@ -13,7 +13,7 @@ import torch
 from core.engine.checkpoint import ConversionFiles, RNGState, find_resume, load_states
 from core.engine.ckpt_files import write_marker
 from core.engine.failure import PeerLostError
-from core.engine.loop import TrainState
+from core.engine.train_state import TrainState
 
 TRAIN = TrainState(
     step=6, batches_consumed=12, nonfinite_skipped=1, consecutive_nonfinite=1, corrupt_samples=2, best_top1=0.75,

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from core.config import dump_config, load_config
-from core.engine.loop import LoopHooks, TrainState, train
+from core.engine.loop import LoopHooks, train
 from core.engine.run import StageRun
 from core.engine.setup import parallelize
+from core.engine.train_state import TrainState
 from core.logging import MetricsLogger
 from data.pipeline import zero_counts
 

@@ -20,9 +20,10 @@ import pretrain.knn as knn_module
 from core.config import dump_config, load_config
 from core.engine import loop as loop_module
 from core.engine import preempt
-from core.engine.loop import LoopHooks, TrainState
+from core.engine.loop import LoopHooks
 from core.engine.run import StageRun, run_loop
 from core.engine.setup import parallelize
+from core.engine.train_state import TrainState
 from core.logging import MetricsLogger
 from data.pipeline import zero_counts
 from tests.launching import read_metrics

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from core.engine import stream
-from core.engine.loop import TrainState
 from core.engine.stream import train_stream
+from core.engine.train_state import TrainState
 from data import pipeline, sources
 from data.cursor import redistribute
 from data.order import TrainOrder, decode_refs
