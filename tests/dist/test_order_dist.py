@@ -63,6 +63,7 @@ def test_non_resampled_mixture_draws_by_weight_and_splits_each_epoch(tmp_path):
     assert sorted(first_epoch["b"]) == [f"b_{i:08d}" for i in range(200)]
 
 
+@pytest.mark.faults
 def test_elastic_resume_on_one_rank_reads_the_rest_of_the_epoch_once(tmp_path):
     shards = write_class_ordered(tmp_path / "ordered", "o", num_classes=10)  # 400 samples in 8 shards
     data = [f"data.train={shards}", "data.resampled=false", "data.shuffle_buffer=0", "data.num_open_shards=1"]

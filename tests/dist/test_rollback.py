@@ -10,7 +10,7 @@ import pytest
 
 from tests.launching import read_metrics, torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.faults]  # spikes and a full disk on purpose: `make test-faults`
 
 
 def _ranks(out) -> list[dict]:
@@ -38,7 +38,6 @@ def test_a_loss_spike_rolls_every_rank_back_and_training_goes_on_past_its_data(t
     assert sorted(p.name for p in ckpt_dir.glob("step_*")) == [f"step_{s:08d}" for s in (4, 8, 12, 16)]
 
 
-@pytest.mark.faults
 def test_a_rerun_with_the_same_spike_gives_the_same_weights(tmp_path):
     for attempt in ("first", "second"):
         torchrun("ckpt_fault_worker.py", tmp_path / attempt, "spike")
@@ -46,7 +45,6 @@ def test_a_rerun_with_the_same_spike_gives_the_same_weights(tmp_path):
     assert _ranks(tmp_path / "first")[0]["state"]["rollbacks"] == 1
 
 
-@pytest.mark.faults
 def test_a_full_disk_midway_through_a_save_and_too_many_rollbacks(tmp_path):
     """The save of step 8 fails with ENOSPC on rank 1 midway; the run goes on. At the spike, engine.max_rollbacks=0
     stops it with one line. `latest` names step 4 throughout, and no partial folder is left."""

@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.launching import REPO, free_port, launch, launch_env, read_metrics
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.faults]  # relaunches into a used run_dir: `make test-faults`
 
 
 def copy_run(zero2_run, dst: Path) -> tuple[Path, Path]:
@@ -59,7 +59,6 @@ def test_changed_config_is_refused_and_finished_run_does_nothing(zero2_run, tmp_
     assert snapshot(run_dir) == before  # no training, no export, no config, no log line
 
 
-@pytest.mark.faults
 def test_plain_torchrun_entry_point_decides_the_same(zero2_run, tmp_path):
     """Without launch.sh's pre-flight the stage refuses (rank 0 decides, every rank exits 2) and finds the run
     finished (every rank exits 0) itself."""
@@ -86,7 +85,6 @@ def test_plain_torchrun_entry_point_decides_the_same(zero2_run, tmp_path):
     assert snapshot(run_dir) == before
 
 
-@pytest.mark.faults
 def test_longer_schedule_continues_and_each_step_is_logged_once(zero2_run, tmp_path):
     run_dir, recipe = copy_run(zero2_run, tmp_path / "run")
     first_config = (run_dir / "config.yaml").read_text()
