@@ -46,6 +46,7 @@ from benchmarks.quality_report import (  # noqa: E402
 from benchmarks.smoke_measure import launch  # noqa: E402
 from benchmarks.workers import machine_lines  # noqa: E402
 from core.config import load_config  # noqa: E402
+from core.rundir import flatten  # noqa: E402
 from data.subset import write_per_class_subset  # noqa: E402
 
 BENCH = REPO / "recipes" / "bench"
@@ -141,19 +142,9 @@ def variant_lines(encoders: list[str]) -> list[str]:
         if encoder in ENCODERS:
             continue
         own = yaml.safe_load((BENCH / f"{encoder}.yaml").read_text())
-        changes = ", ".join(f"{k}={v}" for k, v in _flatten(own).items() if k not in ("base", "run_dir"))
+        changes = ", ".join(f"{k}={v}" for k, v in flatten(own).items() if k not in ("base", "run_dir"))
         lines.append(f"- `{encoder}`: recipes/bench/{encoder}.yaml, {own.get('base')} with {changes}")
     return lines
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= _flatten(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _launched(kind: str, run_dir: Path, recipe: str, seed: int, data: dict[str, Path], scale: float) -> Arm:

@@ -41,11 +41,6 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def atomic_write(path: Path, text: str) -> None:
     """Write `path` through a temporary file, fsynced, then renamed over it and the rename fsynced: a reader sees
     the old content or the new one, never a part. The temporary file is removed when the write fails (a full disk)."""
