@@ -12,7 +12,7 @@ import torch
 
 from core.config import Config, load_config
 from core.engine import ds_compat
-from core.engine.ckpt_files import choose_resume
+from core.engine.checkpoint import resumable_tag
 from core.engine.fp16 import zero0_masters_from_checkpoint
 from core.engine.gather import export_state_dict
 
@@ -58,9 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.step is not None:
         tag = f"step_{args.step:08d}"
     else:
-        tag, note = choose_resume(ckpt_dir)  # what a relaunch would resume from
-        if note is not None:
-            print(note)
+        tag = resumable_tag(ckpt_dir)  # what a relaunch would resume from, read back whole
         if tag is None:
             raise SystemExit(f"no complete checkpoint in {ckpt_dir}")
     if not (ckpt_dir / tag).is_dir():

@@ -7,8 +7,9 @@ Write order (`save_checkpoint`): every rank writes and fsyncs its own files (Dee
 they exchange what they wrote (a barrier) -> rank 0 fsyncs the folder, writes the completeness marker `complete`
 (ckpt_files.py) and replaces `latest` atomically -> old and incomplete tags are pruned. A crash, or a full disk, at
 any point leaves `latest` naming a complete checkpoint.
-Resume order (see `find_resume`): the run_dir's own `latest`, or the newest complete checkpoint when that one cannot
-be loaded, else training starts from scratch (an `init` checkpoint, if any, is applied by the stage before this).
+Resume order (see `find_resume`): the run_dir's own `latest`, or the newest complete checkpoint that reads back
+whole when that one is incomplete or damaged, else training starts from scratch (an `init` checkpoint, if any, is
+applied by the stage before this).
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ from core.engine.ckpt_files import (
     LATEST,
     atomic_write,
     checkpoint_bytes,
+    checkpoint_files,
     choose_resume,
     prune,
     read_latest,
     tag_of,
+    why_damaged,
     write_marker,
 )
 from core.engine.distributed import DistInfo, barrier
@@ -240,8 +243,9 @@ def best_checkpoint(run_dir: Path, dist: DistInfo) -> str | None:
 
 def find_resume(run_dir: Path, rank: int, world_size: int, step: int | None = None) -> dict | None:
     """Where to resume from: the checkpoint `latest` names, or the newest complete one when that one cannot be
-    loaded (rank 0 decides, from the files, for every rank; it prints one line naming both), or the given step.
-    None for a fresh run.
+    loaded: incomplete (a save that did not finish) or damaged (a file that does not read back whole; every
+    candidate is read in full first, see `resumable_tag`). Rank 0 decides for every rank and prints one line naming
+    both; or the given step. None for a fresh run.
 
     Returns:
         "tag", "load_tag" (what `load_checkpoint` gives DeepSpeed), "universal", and "states": this rank's saved
@@ -253,15 +257,9 @@ def find_resume(run_dir: Path, rank: int, world_size: int, step: int | None = No
             converted.
     """
     ckpt_dir = run_dir / "checkpoints"
-    if step is not None:
-        tag = tag_of(step)
-    else:
-        local = rank == 0 or not _shared()
-        tag, note = _broadcast(choose_resume(ckpt_dir) if local else None)
-        if note is not None and rank == 0:
-            print(note, flush=True)
-        if tag is None:
-            return None
+    tag = tag_of(step) if step is not None else resumable_tag(ckpt_dir, rank, world_size)
+    if tag is None:
+        return None
     first = ckpt_dir / tag / f"rank_{0:05d}.json"
     saved_world = json.loads(first.read_text()).get("world_size", world_size) if first.is_file() else world_size
     if saved_world != world_size:
@@ -270,6 +268,30 @@ def find_resume(run_dir: Path, rank: int, world_size: int, step: int | None = No
     if not state_file.is_file():
         raise ValueError(f"checkpoint {ckpt_dir / tag} has no state for rank {rank} ({state_file} missing)")
     return {"tag": tag, "load_tag": tag, "universal": False, "states": _read_states(state_file)}
+
+
+def resumable_tag(ckpt_dir: Path, rank: int = 0, world_size: int = 1) -> str | None:
+    """The tag to resume from (see `find_resume`), read back in full before anything loads it: the ranks share its
+    files out, each checks its share (`why_damaged`), and a checkpoint any rank finds damaged is passed over for the
+    next newest complete one. Rank 0 chooses, for every rank, and prints what it passed over."""
+    damaged: dict[str, str] = {}
+    while True:
+        tag, note = _broadcast(choose_resume(ckpt_dir, damaged) if rank == 0 or not _shared() else None)
+        if tag is None:
+            break
+        share = checkpoint_files(ckpt_dir / tag)[rank::world_size]
+        problem = next(filter(None, _all_gather(why_damaged(ckpt_dir / tag, share))), None)
+        if problem is None:
+            break
+        damaged[tag] = problem
+    if rank == 0:
+        latest = read_latest(ckpt_dir)  # its damage is in `note`
+        passed_over = [f"{ckpt_dir / t} ({why})" for t, why in damaged.items() if t != latest]
+        if passed_over:
+            print(f"[mimpipe] warning: passed over damaged {', '.join(passed_over)}", flush=True)
+        if note is not None:
+            print(note, flush=True)
+    return tag
 
 
 def _read_states(state_file: Path) -> dict[str, dict]:

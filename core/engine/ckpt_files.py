@@ -4,7 +4,9 @@ pointer, and which checkpoint a run may resume from.
 A tag folder is a checkpoint only once it holds its marker, `complete`: a JSON list of every file the ranks wrote
 into it with its size, written by rank 0 after every rank has fsynced its own files (see checkpoint.py
 `save_checkpoint`). A folder without the marker, or one whose files no longer have the recorded sizes (a torn or
-truncated file), is incomplete: never resumed, and removed by `prune`.
+truncated file), is incomplete: never resumed, and removed by `prune`. A complete one whose files do not read back
+whole (bit rot: `why_damaged`) is damaged: a resume passes over it to the newest one that reads back (checkpoint.py
+`find_resume`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 import os
 import re
 import shutil
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 
 LATEST = "latest"
@@ -94,6 +98,35 @@ def why_incomplete(tag_dir: Path) -> str | None:
     return None
 
 
+def checkpoint_files(tag_dir: Path) -> list[str]:
+    """The names of a checkpoint's files, sorted: those its marker lists, or every file of a folder written before
+    markers existed."""
+    files = marked_files(tag_dir)
+    return sorted(files) if files is not None else sorted(p.name for p in tag_dir.iterdir() if p.is_file())
+
+
+def why_damaged(tag_dir: Path, names: list[str]) -> str | None:
+    """None when each of `names` in `tag_dir` reads back whole, else what is wrong with the first that does not.
+
+    A DeepSpeed or torch file (`.pt`, a zip archive) must match the CRC-32 recorded for each of its records, a JSON
+    file must parse. This reads the files in full; `torch.load` itself checks no CRC, so a flipped bit in a tensor
+    would load without a word.
+    """
+    for name in names:
+        path = tag_dir / name
+        try:
+            if name.endswith(".json"):
+                json.loads(path.read_text())
+            elif name.endswith(".pt"):
+                with zipfile.ZipFile(path) as archive:
+                    record = archive.testzip()
+                if record is not None:
+                    return f"{name} is damaged: its record {record} fails its CRC-32 check"
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+            return f"{name} is damaged: {err}"
+    return None
+
+
 def checkpoint_bytes(tag_dir: Path) -> int | None:
     """What a complete checkpoint holds on disk, from its marker (no walk over the files)."""
     files = marked_files(tag_dir)
@@ -109,25 +142,32 @@ def read_latest(ckpt_dir: Path) -> str | None:
     return tag if step_of(tag) is not None else None
 
 
-def choose_resume(ckpt_dir: Path) -> tuple[str | None, str | None]:
+def choose_resume(ckpt_dir: Path, damaged: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
     """The checkpoint a run resumes from: the one `latest` names when it is complete, else the newest complete one.
+    `damaged` ({tag: what is wrong}) names checkpoints found not to read back (`why_damaged`): never chosen.
 
     Returns:
         (tag or None for a fresh run, a console line when it fell back from `latest`, else None).
     """
+    damaged = damaged or {}
+
+    def why_not(tag_dir: Path) -> str | None:
+        return damaged.get(tag_dir.name) or why_incomplete(tag_dir)
+
     latest = read_latest(ckpt_dir)
-    if latest is not None and why_incomplete(ckpt_dir / latest) is None:
+    if latest is not None and why_not(ckpt_dir / latest) is None:
         return latest, None
     folders = tag_folders(ckpt_dir)
-    if latest is not None and (ckpt_dir / latest).is_dir() and not any((p / COMPLETE).exists() for _, p in folders):
-        return latest, None  # written before markers existed: `latest` was only ever moved to a finished save
+    legacy = not any((p / COMPLETE).exists() for _, p in folders)  # written before markers existed
+    if latest is not None and latest not in damaged and (ckpt_dir / latest).is_dir() and legacy:
+        return latest, None  # `latest` was only ever moved to a finished save
     if latest is not None:
-        problem = f"{ckpt_dir / LATEST} names {latest}, which cannot be loaded: {why_incomplete(ckpt_dir / latest)}"
+        problem = f"{ckpt_dir / LATEST} names {latest}, which cannot be loaded: {why_not(ckpt_dir / latest)}"
     elif (ckpt_dir / LATEST).exists():
         problem = f"{ckpt_dir / LATEST} is unreadable or names no checkpoint"
     else:
         problem = f"{ckpt_dir / LATEST} is missing"
-    complete = [p for _, p in reversed(folders) if p.name != latest and why_incomplete(p) is None]
+    complete = [p for _, p in reversed(folders) if p.name != latest and why_not(p) is None]
     if not complete:
         if latest is None and not (ckpt_dir / LATEST).exists():
             return None, None  # a fresh run

@@ -1,11 +1,12 @@
-"""Which checkpoints are complete, which one a run resumes from when `latest` cannot be loaded, what pruning removes,
-and the loss-spike judgement of core/engine/rollback.py."""
+"""Which checkpoints are complete or damaged, which one a run resumes from when `latest` cannot be loaded, what pruning
+removes, and the loss-spike judgement of core/engine/rollback.py."""
 
 import json
 import math
 from collections import deque
 
 import pytest
+import torch
 
 from core.engine.ckpt_files import (
     COMPLETE,
@@ -15,10 +16,12 @@ from core.engine.ckpt_files import (
     prune,
     step_of,
     tag_folders,
+    why_damaged,
     why_incomplete,
     write_marker,
 )
 from core.engine.rollback import is_spike
+from tests.unit.conftest import rot_a_tensor
 
 
 def _tag(ckpt_dir, step: int, *, complete: bool = True):
@@ -62,6 +65,29 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint_and_says_so(tmp_pat
     assert note.startswith("[mimpipe] warning: ") and note.endswith("step_00000006, the newest complete one")
     if latest == "step_00000008":
         assert "names step_00000008, which cannot be loaded: no completeness marker" in note
+
+
+def test_a_flipped_bit_that_torch_load_would_not_notice_makes_a_checkpoint_damaged(tmp_path):
+    shard = tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"exp_avg": torch.arange(4096.0)}, shard)
+    (tmp_path / "rank_00001.json").write_text(json.dumps({"train": {"step": 4}}))
+    names = ["rank_00001.json", shard.name]
+    assert why_damaged(tmp_path, names) is None
+    rot_a_tensor(shard)
+    assert not torch.equal(torch.load(shard)["exp_avg"], torch.arange(4096.0))  # torch loads it, wrong, silently
+    problem = why_damaged(tmp_path, names)
+    assert problem.startswith(f"{shard.name} is damaged: its record ") and problem.endswith(" fails its CRC-32 check")
+    (tmp_path / "rank_00001.json").write_text('{"train": {"step"')
+    assert why_damaged(tmp_path, names).startswith("rank_00001.json is damaged: ")
+
+
+def test_a_damaged_checkpoint_is_never_chosen(tmp_path):
+    _tag(tmp_path, 4)
+    _tag(tmp_path, 6)
+    (tmp_path / LATEST).write_text("step_00000006")
+    tag, note = choose_resume(tmp_path, {"step_00000006": "x.pt is damaged"})
+    assert tag == "step_00000004" and "names step_00000006, which cannot be loaded: x.pt is damaged; " in note
+    assert choose_resume(tmp_path, {"step_00000004": "x.pt is damaged"}) == ("step_00000006", None)
 
 
 def test_latest_is_resumed_when_complete_even_with_newer_folders(tmp_path):

@@ -14,6 +14,7 @@ from core.engine.checkpoint import ConversionFiles, RNGState, find_resume, load_
 from core.engine.ckpt_files import write_marker
 from core.engine.failure import PeerLostError
 from core.engine.train_state import TrainState
+from tests.unit.conftest import flip_a_bit, rot_a_tensor
 
 TRAIN = TrainState(
     step=6, batches_consumed=12, nonfinite_skipped=1, consecutive_nonfinite=1, corrupt_samples=2, best_top1=0.75,
@@ -47,6 +48,29 @@ def test_fresh_run_and_latest(tmp_path):
     assert resume["tag"] == resume["load_tag"] == "step_00000006" and not resume["universal"]
     assert resume["states"]["rng"] == {"rank": 1}  # this rank's own
     assert _resumed_train_state(resume) == TRAIN
+
+
+def test_a_damaged_checkpoint_is_passed_over_for_the_newest_that_reads_back_whole(tmp_path, capsys):
+    """Bit rot in `latest` and the one before: every file of a candidate is read back before anything loads it."""
+    ckpt_dir = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        tag_dir = ckpt_dir / f"step_{step:08d}"
+        tag_dir.mkdir(parents=True)
+        torch.save({"module": torch.full((1024,), float(step))}, tag_dir / "mp_rank_00_model_states.pt")
+        (tag_dir / "rank_00000.json").write_text(json.dumps({"world_size": 1, "train": {"step": step}}))
+        write_marker(tag_dir, {p.name: p.stat().st_size for p in tag_dir.iterdir()})
+    (ckpt_dir / "latest").write_text("step_00000006")
+    rot_a_tensor(ckpt_dir / "step_00000006" / "mp_rank_00_model_states.pt")
+    (ckpt_dir / "step_00000004" / "rank_00000.json").write_text('{"world_size": 1, "train": {"step": 5}}')  # same size
+    flip_a_bit(ckpt_dir / "step_00000004" / "rank_00000.json", at=0)  # `{` no more
+    assert find_resume(tmp_path, 0, 1)["tag"] == "step_00000002"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"[mimpipe] warning: passed over damaged {ckpt_dir / 'step_00000004'} (rank_00000.json")
+    assert lines[1].startswith(
+        f"[mimpipe] warning: {ckpt_dir / 'latest'} names step_00000006, which cannot be loaded: "
+        "mp_rank_00_model_states.pt is damaged: its record "
+    )
+    assert lines[1].endswith(f"resuming from {ckpt_dir / 'step_00000002'}, the newest complete one")
 
 
 def test_another_world_size_that_cannot_convert_is_refused_naming_both(tmp_path):
