@@ -53,7 +53,8 @@ def test_the_link_check_finds_a_missing_file_and_a_missing_heading(tmp_path):
     (tmp_path / "there.md").write_text("## A five-minute tour: `make x`\n")
     page = tmp_path / "page.md"
     page.write_text(
-        "# Title\n[a](missing.md) [b](#title) [c](#nope) [d](https://example.org/x) [e](there.md#a-five-minute-tour-make-x)\n"
+        "# Title\n[a](missing.md) [b](#title) [c](#nope) [d](https://example.org/x)\n"
+        "[e](there.md#a-five-minute-tour-make-x)\n"
         "```\n[f](inside_a_code_block.md)\n```\n[g](there.md#gone)\n"
     )
     assert _broken_links(page) == [
