@@ -104,7 +104,7 @@ bench-memory: install
 smoke-recipes: install
 	$(PY) benchmarks/smoke_recipes.py
 
-# The README's encoder table: ViT, hybrid, T2T-ViT and VT-ResNet fine-tuned from scratch on the quickstart budget,
+# The encoder table (docs/encoders.md): ViT, hybrid, T2T-ViT and VT-ResNet fine-tuned from scratch on the quickstart budget,
 # the hybrid and T2T-ViT also after SimMIM (8 runs, ~40 min on 2 cores): benchmarks/results/encoders.md.
 encoders-table: quickstart-data
 	$(PY) benchmarks/encoders_table.py

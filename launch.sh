@@ -11,7 +11,7 @@
 # Environment (all optional):
 #   NPROC_PER_NODE  processes per node (default: the GPUs here, else 1; HOSTFILE: its slots); the GPUs here are
 #                   nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES and by the SLURM step's GPUs on this node
-#   NNODES          number of nodes (default 1; HOSTFILE: all its hosts); no elastic MIN:MAX range, see README
+#   NNODES          number of nodes (default 1; HOSTFILE: all its hosts); no elastic MIN:MAX range, see docs/clusters.md
 #   NODE_RANK       this node's rank, 0..NNODES-1 (default 0; not used with RDZV_ENDPOINT or HOSTFILE)
 #   MASTER_ADDR     rank-0 host (default 127.0.0.1)   MASTER_PORT  its port (default 29500; one node: a free port)
 #   RDZV_ENDPOINT   host:port of a torchrun c10d rendezvous, in place of MASTER_ADDR/MASTER_PORT/NODE_RANK

@@ -88,7 +88,7 @@ CHAINS: dict[str, tuple[Stage, ...]] = {
         Stage("finetune_vith", takes=(("model.init", "mae_vith"),)),
     ),
     "t2t_vit14": (Stage("t2t_vit14"),),  # trained from scratch: no pretraining stage to hand over
-    "vt_resnet18": (Stage("vt_resnet18"),),  # VT is fine-tuned only (README "Encoders")
+    "vt_resnet18": (Stage("vt_resnet18"),),  # VT is fine-tuned only (docs/encoders.md)
 }
 REDUCED: dict[str, tuple[str, ...]] = {"mae_vith": ("model.depth=8",)}
 """Chains run a second time with these overrides when a stage did not fit in memory: ViT-H/14 with 8 of its 32

@@ -41,7 +41,7 @@ class DataConfig(Section):
     train: TrainSpec = ""
     """Training shards: a directory with index.json, a brace pattern, a glob, or a list of paths/URLs. Or a mixture:
     a list of sources `{shards: SPEC, weight: W}`; every data worker draws each next sample from source i with
-    probability W_i / sum(W), each source being its own stream of interleaved shards (README "Mixtures"). A mixture
+    probability W_i / sum(W), each source being its own stream of interleaved shards (docs/shards.md, "Mixtures"). A mixture
     has no epoch of its own: a schedule in epochs needs `data.samples_per_epoch`."""
     val: str | list[str] | None = None
     """Held-out shards for evaluation (fine-tuning)."""
@@ -203,7 +203,7 @@ class EngineConfig(Section):
     """Compile the objective's repeated blocks (encoder `blocks`, MAE's `decoder_blocks`) with torch.compile
     (inductor), once per block shape: the first step pays the compile (reported in the launch log, kept out of
     perf/images_per_sec and perf/mfu). ZeRO 0-2. Off by default: on 2 CPU cores the quickstart's steps gained at most
-    9% and the compile cost more than that saves (core/engine/compiled.py, README "Compiled steps")."""
+    9% and the compile cost more than that saves (core/engine/compiled.py, docs/speed.md)."""
 
     @model_validator(mode="after")
     def _check_offload(self) -> EngineConfig:

@@ -200,7 +200,7 @@ class KNNBank(KNNSet):
 
 
 class KNNConfig(Section):
-    """The kNN monitor of pretraining (DINO's weighted k-NN classifier on frozen features, README "kNN monitor")."""
+    """The kNN monitor of pretraining (DINO's weighted k-NN classifier on frozen features, docs/tensorboard.md)."""
 
     enabled: bool = False
     every_steps: int = Field(1000, gt=0)

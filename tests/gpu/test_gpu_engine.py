@@ -95,7 +95,7 @@ def test_zero_stages_train_like_zero2(zero2, shards, tmp_path, stage):
 def test_zero3_builds_the_cpu_build_and_trains_like_it(shards, tmp_path):
     """ZeRO-3 builds the objective inside deepspeed.zero.Init, whose parameters live on the GPU; its initial draws are
     made on the CPU generator (core/engine/zero_init.py), so the GPU's ZeRO-3 run starts where the CPU's does. (MAE's
-    ZeRO-3 build draws in another order than ZeRO-0/1/2's, on every device: README, "Memory".) Within CPU_RTOL: bf16,
+    ZeRO-3 build draws in another order than ZeRO-0/1/2's, on every device: docs/memory.md.) Within CPU_RTOL: bf16,
     and the masks come from each device's own generator."""
     _run(_recipe(shards, tmp_path / "gpu", {"zero_stage": 3}), tmp_path / "tiny_mae_zero3.yaml")
     cpu = pretrain_recipe(shards, tmp_path / "cpu", engine={"device": "cpu", "precision": "bf16", "zero_stage": 3})

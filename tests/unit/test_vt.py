@@ -32,7 +32,7 @@ def test_parameter_counts_match_the_architecture(name, resnet, channels):
     Derived from the architecture the paper's text describes: ResNet-18/34/50/101 stages 1-4 (in the paper's
     numbering) with 256/256/1024/1024 channels at 14 x 14, then 2/3/3/3 VT modules. Measured: 11.49M, 21.15M,
     25.33M, 44.32M; the paper's Table 8 says 11.7M / 19.2M / 21.4M / 41.5M (Table 2: VT-R34 21.8M), and its R50 and
-    R101 entries cannot be met together with their MACs by any design (README, "Encoders").
+    R101 entries cannot be met together with their MACs by any design (docs/encoders.md).
     """
     with torch.device("meta"):
         model = timm.create_model(name)
@@ -93,7 +93,7 @@ def test_recurrent_tokenizer_attends_with_filters_from_the_previous_tokens():
 )
 def test_multiply_adds_at_224_px_are_the_readme_figures(name, gmacs, paper):
     """FlopCounterMode / 2 on one 224 px image, as timm's ResNets give the paper's own ResNet figures. R18 and R34
-    are within 3% of the paper's Table 8, R50 and R101 within 5% (their parameters are not: README)."""
+    are within 3% of the paper's Table 8, R50 and R101 within 5% (their parameters are not: docs/encoders.md)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = timm.create_model(name).eval()
