@@ -1,5 +1,6 @@
-"""The encoder table (docs/encoders.md) on the Fashion-MNIST quickstart budget (`make encoders-table`): each encoder fine-tuned
-from scratch, and the hybrid and T2T-ViT also after SimMIM pretraining, test top-1 side by side with the plain ViT.
+"""The encoder table of docs/encoders.md on the Fashion-MNIST quickstart budget (`make encoders-table`): each
+encoder fine-tuned from scratch, and the hybrid and T2T-ViT also after SimMIM pretraining, test top-1 side by side
+with the plain ViT.
 
     .venv/bin/python benchmarks/encoders_table.py                        # every row (~40 min on 2 cores)
     .venv/bin/python benchmarks/encoders_table.py --rows vit,t2t         # some rows (names: ROWS below)

@@ -41,7 +41,7 @@ class DataConfig(Section):
     train: TrainSpec = ""
     """Training shards: a directory with index.json, a brace pattern, a glob, or a list of paths/URLs. Or a mixture:
     a list of sources `{shards: SPEC, weight: W}`; every data worker draws each next sample from source i with
-    probability W_i / sum(W), each source being its own stream of interleaved shards (docs/shards.md, "Mixtures"). A mixture
+    probability W_i / sum(W), each source being its own stream of interleaved shards (docs/shards.md). A mixture
     has no epoch of its own: a schedule in epochs needs `data.samples_per_epoch`."""
     val: str | list[str] | None = None
     """Held-out shards for evaluation (fine-tuning)."""
