@@ -12,7 +12,7 @@ length (2 steps, 1 warmup), the data workers and logging every step, plus the ha
 hand-off (BEiT's LayerScale). Per stage it reports the parameters (from the export), the time of the last step
 (without the pictures the loop draws after the step before), the rank's peak resident memory and whether the
 export loads strictly into plain timm with the recipe's shapes (benchmarks/smoke_measure.py measures them).
-tests/dist/test_recipes_at_size.py runs `CI_CHAINS` the same way.
+benchmarks/tests/test_recipes_at_size.py runs `CI_CHAINS` the same way.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ REDUCED: dict[str, tuple[str, ...]] = {"mae_vith": ("model.depth=8",)}
 """Chains run a second time with these overrides when a stage did not fit in memory: ViT-H/14 with 8 of its 32
 blocks keeps the width, heads, patch 14, 16x16 grid, decoder and ZeRO-2 of the recipe at a quarter of the memory."""
 CI_CHAINS: dict[str, tuple[Stage, ...]] = {"mae_vitb": CHAINS["mae_vitb"][:2]}
-"""What `make test` runs (tests/dist/test_recipes_at_size.py): MAE ViT-B/16 into fine-tuning. The BEiT chain's checks
-there are marked slow (`pytest -m slow`); every chain runs in `make smoke-recipes`."""
+"""What `make test` runs (benchmarks/tests/test_recipes_at_size.py): MAE ViT-B/16 into fine-tuning. The BEiT chain's
+checks there are marked slow (`pytest -m slow`); every chain runs in `make smoke-recipes`."""
 
 
 @dataclass
