@@ -92,45 +92,45 @@ format: install
 # then the quickstart models' fixed per-step cost (engine / plain timm loop; `--before REV` adds an older tree).
 OFFICIAL_MAE ?=
 bench: install
-	$(PY) benchmarks/bench_engine.py --batch 32 --allocators tcmalloc --rounds 3 --compile-stages 2 \
+	$(PY) -m benchmarks.bench_engine --batch 32 --allocators tcmalloc --rounds 3 --compile-stages 2 \
 	  $(if $(OFFICIAL_MAE),--official-mae $(OFFICIAL_MAE)) --out benchmarks/results/engine_batch32.md
-	$(PY) benchmarks/bench_overhead.py
+	$(PY) -m benchmarks.bench_overhead
 
 bench-memory: install
-	$(PY) benchmarks/bench_memory.py
+	$(PY) -m benchmarks.bench_memory
 
 # Every published recipe at its real size, 2 steps of batch 2 each, chained through its exports (~30 min, 2 cores):
 # benchmarks/results/smoke_recipes.md. A stage that would not fit in the free memory is listed as not run.
 smoke-recipes: install
-	$(PY) benchmarks/smoke_recipes.py
+	$(PY) -m benchmarks.smoke_recipes
 
 # The encoder table (docs/encoders.md): ViT, hybrid, T2T-ViT and VT-ResNet fine-tuned from scratch on the quickstart budget,
 # the hybrid and T2T-ViT also after SimMIM (8 runs, ~40 min on 2 cores): benchmarks/results/encoders.md.
 encoders-table: quickstart-data
-	$(PY) benchmarks/encoders_table.py
+	$(PY) -m benchmarks.encoders_table
 
 # The data path at 224 px: images/s per DataLoader worker, torchvision ImageFolder against our loader with the old
 # (torchvision PIL) and the new (data/transforms.py CropFlip) transform, on generated ImageNet-like JPEGs (~10 minutes).
 bench-data: install
-	$(PY) benchmarks/bench_data.py
+	$(PY) -m benchmarks.bench_data
 
 # Resume start-up after 1x, 10x and 100x the steps: from the saved data cursor against main's replay of the stream
 # from its start, on generated shards (~3 minutes): benchmarks/results/resume.md.
 bench-resume: install
-	$(PY) benchmarks/bench_resume.py
+	$(PY) -m benchmarks.bench_resume
 
 # Representation quality (issue 14): MAE, BEiT-style, ViT-paper MPP and SimMIM pretraining of one ViT, then 1% / 10% /
 # full-label fine-tuning and an L-BFGS linear probe of each encoder and of scratch (recipes/bench/): hours on 2 cores,
 # resumable (a finished arm is skipped). benchmarks/results/quality.md + quality.png. QUALITY_ARGS: e.g. --scale 0.02.
 bench-quality: quickstart-data
-	$(PY) benchmarks/bench_quality.py --shards $(SHARDS) $(QUALITY_ARGS)
+	$(PY) -m benchmarks.bench_quality --shards $(SHARDS) $(QUALITY_ARGS)
 
 # One command for a GPU host (docs/gpu.md): tests/gpu (CUDA against the CPU, the engine path: bf16 inside the engine,
 # ZeRO 0-3, NCCL with 2+ GPUs, compile, resume, fine-tuning, activation checkpointing), then benchmarks/bench_gpu.py
 # (MAE ViT-B/16 and ViT-L/16 at 224 px, bf16 eager / compiled and fp32, largest batch: benchmarks/results/gpu.md;
 # runs even when a test failed, and the exit code says so). Without a GPU: says why and exits 0.
 gpu-check: install
-	@reason="$$($(PY) benchmarks/bench_gpu.py --skip-reason)" || exit 1; \
+	@reason="$$($(PY) -m benchmarks.bench_gpu --skip-reason)" || exit 1; \
 	if [ -n "$$reason" ]; then echo "make gpu-check: skipped, $$reason"; exit 0; fi; \
 	tests=0; $(PY) -m pytest -q tests/gpu || tests=$$?; \
-	$(PY) benchmarks/bench_gpu.py && exit $$tests
+	$(PY) -m benchmarks.bench_gpu && exit $$tests

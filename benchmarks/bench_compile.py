@@ -12,8 +12,8 @@ empty, warm when an earlier run with the same thread count filled it (the kernel
 the steps/s after warm-up, and the time of the quickstart's training steps (1000 / 700) with the compile counted:
 first step + the other steps at the median rate.
 
-    .venv/bin/python benchmarks/bench_compile.py --cache-dir /tmp/inductor_cold     # cold: an empty directory
-    .venv/bin/python benchmarks/bench_compile.py --cache-dir /tmp/inductor_cold     # again: warm
+    .venv/bin/python -m benchmarks.bench_compile --cache-dir /tmp/inductor_cold     # cold: an empty directory
+    .venv/bin/python -m benchmarks.bench_compile --cache-dir /tmp/inductor_cold     # again: warm
 """
 
 from __future__ import annotations
@@ -21,13 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: benchmarks.workers comes from the repository root
-    sys.path.append(str(REPO))
 
 RECIPES = {"finetune": ("recipes/quickstart_finetune.yaml", 1000), "pretrain": ("recipes/quickstart.yaml", 700)}
 
@@ -124,8 +121,8 @@ def main() -> None:
     lines = [
         *machine_lines(torch.get_num_threads()),
         "",
-        f"`benchmarks/bench_compile.py --steps {args.steps} --rounds {args.rounds}`, inductor cache {cache} {state} "
-        "before the run; "
+        f"`python -m benchmarks.bench_compile --steps {args.steps} --rounds {args.rounds}`, inductor cache {cache} "
+        f"{state} before the run; "
         f"load average {os.getloadavg()[0]:.1f} at the start",
         "",
         "| recipe | mode | first step s | of it compile s | steps/s after warm-up | first step + the rest at that "

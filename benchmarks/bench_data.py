@@ -8,8 +8,8 @@ scale 0.2-1, bicubic; horizontal flip; to tensor; normalise) on generated ImageN
   uint8 resize, uint8 out (normalised later, on the device), JPEGs decoded at a DCT reduction when every box allows
   it).
 
-    .venv/bin/python benchmarks/bench_data.py            # 2048 images, 1 and 2 workers, 5 rounds (~10 minutes)
-    .venv/bin/python benchmarks/bench_data.py --quick    # 256 images at 1 worker, 1 round: checks that it runs
+    .venv/bin/python -m benchmarks.bench_data            # 2048 images, 1 and 2 workers, 5 rounds (~10 minutes)
+    .venv/bin/python -m benchmarks.bench_data --quick    # 256 images at 1 worker, 1 round: checks that it runs
 
 First, where the time goes: each stage of both transforms timed alone in this process on one thread, and each
 loader's whole cost per image with num_workers=0. Then throughput: every (loader, workers) pair is measured once per
@@ -41,13 +41,12 @@ from torch.utils.data import DataLoader
 from torchvision import datasets
 from torchvision import transforms as T
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from data.decode import decode_rgb
+from data.pipeline import make_train_loader
+from data.transforms import IMAGENET_MEAN, IMAGENET_STD, pretrain_transform
+from data.write import write_shards
 
-from data.decode import decode_rgb  # noqa: E402
-from data.pipeline import make_train_loader  # noqa: E402
-from data.transforms import IMAGENET_MEAN, IMAGENET_STD, pretrain_transform  # noqa: E402
-from data.write import write_shards  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SIZE, SCALE, SHUFFLE_BUFFER = 224, (0.2, 1.0), 1000  # the MAE recipe's crop; core/config.py's data.shuffle_buffer
 # ImageNet's commonest shapes (width, height), weighted: most photos are 500 x 375, some portrait or 3:2.
@@ -327,7 +326,7 @@ def environment(args: argparse.Namespace, info: dict, loads: tuple) -> list[str]
         f"workers; {args.rounds} interleaved rounds; our loader with shuffle buffer {SHUFFLE_BUFFER}",
         f"- malloc: {args.malloc} (launch.sh preloads tcmalloc for training; DataLoader workers inherit it)",
         f"- 1-min load average before / after: {loads[0]:.2f} / {loads[1]:.2f}",
-        f"- command: `python benchmarks/bench_data.py {' '.join(sys.argv[1:])}`",
+        f"- command: `python -m benchmarks.bench_data {' '.join(sys.argv[1:])}`",
     ]
 
 
@@ -394,7 +393,7 @@ def preload_tcmalloc() -> None:
     if not library.is_file():
         sys.exit(f"{library} is not installed (Debian: libtcmalloc-minimal4); use --malloc glibc")
     env = {**os.environ, "LD_PRELOAD": f"{library}:{preloaded}" if preloaded else str(library)}
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.bench_data", *sys.argv[1:]], env)
 
 
 def main(argv: list[str] | None = None) -> int:

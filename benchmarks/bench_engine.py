@@ -1,12 +1,12 @@
 """Engine overhead: seconds per MAE training step through `parallelize` + `train` at each ZeRO stage, against a plain
 torch loop on the same model, batch, param groups and AdamW (bf16 autocast over fp32 weights, world size 1).
 
-    .venv/bin/python benchmarks/bench_engine.py            # ViT-B MAE, batch 8 at 224 px, glibc and tcmalloc
-    .venv/bin/python benchmarks/bench_engine.py --quick    # ViT-Ti at 64 px, one round: checks that it runs
-    .venv/bin/python benchmarks/bench_engine.py --matrix   # + plain/ZeRO-1 x AdamW kernel x malloc
-    .venv/bin/python benchmarks/bench_engine.py --stages 1,2 --ds zero_optimization.compute_grad_norm=false
-    .venv/bin/python benchmarks/bench_engine.py --official-mae ~/mae  # + the official MAE step and the ceiling
-    .venv/bin/python benchmarks/bench_engine.py --compile-stages 2     # + ZeRO-2 with engine.compile: true
+    .venv/bin/python -m benchmarks.bench_engine            # ViT-B MAE, batch 8 at 224 px, glibc and tcmalloc
+    .venv/bin/python -m benchmarks.bench_engine --quick    # ViT-Ti at 64 px, one round: checks that it runs
+    .venv/bin/python -m benchmarks.bench_engine --matrix   # + plain/ZeRO-1 x AdamW kernel x malloc
+    .venv/bin/python -m benchmarks.bench_engine --stages 1,2 --ds zero_optimization.compute_grad_norm=false
+    .venv/bin/python -m benchmarks.bench_engine --official-mae ~/mae  # + the official MAE step and the ceiling
+    .venv/bin/python -m benchmarks.bench_engine --compile-stages 2     # + ZeRO-2 with engine.compile: true
 
 Every configuration runs in a fresh subprocess (clean DeepSpeed and allocator state, its own environment); the
 configurations are interleaved over --rounds, in reverse order on odd rounds, so that load from other processes falls
@@ -26,13 +26,10 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: benchmarks.workers comes from the repository root
-    sys.path.append(str(REPO))
+from benchmarks.engine_step import OFFICIAL_RUNNERS, OPTIMIZERS
+from benchmarks.workers import machine_lines, run_worker, worker_env
 
-from benchmarks import engine_step  # noqa: E402
-from benchmarks.engine_step import OFFICIAL_RUNNERS, OPTIMIZERS  # noqa: E402
-from benchmarks.workers import machine_lines, run_worker, worker_env  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results" / "engine.md"
 PRELOADS = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}  # Debian: libjemalloc2, ...
@@ -162,7 +159,7 @@ def run_case(case: Case, args: argparse.Namespace, scratch: Path, count_flops: b
     env = worker_env(args.threads, PYTHONPATH=str(REPO))
     env = {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
     env.update(allocator_env(case.allocator))
-    return run_worker(engine_step.__file__, spec, env, case)
+    return run_worker("benchmarks.engine_step", spec, env, case)
 
 
 def run_all(cases: list[Case], args: argparse.Namespace, after_round=None) -> dict[Case, list[dict]]:
@@ -237,7 +234,7 @@ def environment(args: argparse.Namespace, load_before: tuple[float, ...], rounds
         f"runs repeated (up to {args.retries}x) when other processes used over {args.max_others_load:.0%} of the "
         "machine",
         f"- 1-min load average before / after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}",
-        f"- command: `{' '.join(['python', *sys.argv])}`",
+        f"- command: `{' '.join(['python', '-m', 'benchmarks.bench_engine', *sys.argv[1:]])}`",
     ]
 
 

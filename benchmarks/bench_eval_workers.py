@@ -1,6 +1,6 @@
 """What starting an evaluation loader's DataLoader workers costs per evaluation, by start method, side by side.
 
-    .venv/bin/python benchmarks/bench_eval_workers.py                 # 3 rounds, 2 workers, 8 passes per process
+    .venv/bin/python -m benchmarks.bench_eval_workers                 # 3 rounds, 2 workers, 8 passes per process
 
 Each case runs in a fresh process that first joins a one-process gloo group (so the process runs threads, as a rank
 does), then makes an evaluation loader (`make_eval_loader`, 256 synthetic 16 px samples in 4 shards, batch 32) and
@@ -29,11 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: benchmarks.workers comes from the repository root
-    sys.path.append(str(REPO))
+from benchmarks.workers import machine_lines, run_worker, worker_env
 
-from benchmarks.workers import machine_lines, run_worker, worker_env  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results" / "eval_workers.md"
 CASES = {
@@ -62,7 +60,9 @@ def main() -> int:
             for case in CASES if round_ % 2 == 0 else reversed(CASES):
                 spec = {"case": case, "shards": shards, "passes": args.passes, "workers": args.workers}
                 spec["out"] = str(Path(tmp) / f"{case}_{round_}.json")
-                times[case].append(run_worker(__file__, spec, worker_env(threads=1), case)["seconds"])
+                times[case].append(
+                    run_worker("benchmarks.bench_eval_workers", spec, worker_env(threads=1), case)["seconds"]
+                )
                 print(f"round {round_} {case}: " + " ".join(f"{t * 1000:.0f}" for t in times[case][-1]), flush=True)
         lines = _report(times, args, load_before)
     RESULTS.write_text("\n".join(lines) + "\n")
@@ -129,7 +129,7 @@ def _report(times: dict[str, list[list[float]]], args: argparse.Namespace, load_
         f"{args.rounds} interleaved rounds; multiprocessing {multiprocessing.get_all_start_methods()}",
         f"- 1-min load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} (a shared machine: read "
         "the side-by-side differences, not the absolute times)",
-        f"- command: `python benchmarks/bench_eval_workers.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
+        f"- command: `python -m benchmarks.bench_eval_workers {' '.join(sys.argv[1:])}`".replace(" `", "`"),
         "",
         "| start method | first pass, ms (median) | later passes, ms (median) | later pass minus num_workers=0, ms |",
         "|---|---:|---:|---:|",

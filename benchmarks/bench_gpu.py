@@ -1,9 +1,9 @@
 """MAE pretraining on one GPU at 224 px: ViT-B/16 and ViT-L/16 (recipes/mae_vitb.yaml, mae_vitl.yaml) in bf16 eager,
 bf16 compiled (`engine.compile`) and fp32 as a precision control, each at the largest batch per GPU that fits.
 
-    .venv/bin/python benchmarks/bench_gpu.py            # both models, 3 configurations each (make gpu-check)
-    .venv/bin/python benchmarks/bench_gpu.py --quick    # ViT-B in bf16 eager only: checks that it runs
-    .venv/bin/python benchmarks/bench_gpu.py --skip-reason   # why this machine would be skipped; empty on a GPU host
+    .venv/bin/python -m benchmarks.bench_gpu            # both models, 3 configurations each (make gpu-check)
+    .venv/bin/python -m benchmarks.bench_gpu --quick    # ViT-B in bf16 eager only: checks that it runs
+    .venv/bin/python -m benchmarks.bench_gpu --skip-reason   # why this machine would be skipped; empty on a GPU host
 
 Per configuration: images/s per GPU, MFU (the loop's own perf/mfu meter: model FLOPs of a step over the GPU's
 datasheet bf16 dense peak; fp32 against that peak too), the peak memory of the timed steps, and where a step's time
@@ -27,12 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: the benchmarks package comes from the repository root
-    sys.path.append(str(REPO))
+from benchmarks.gpu_step import NEVER, RECIPES
+from benchmarks.workers import machine_lines, run_worker, worker_env
 
-from benchmarks.gpu_step import NEVER, RECIPES  # noqa: E402
-from benchmarks.workers import machine_lines, run_worker, worker_env  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results" / "gpu.md"
 MODELS = {"ViT-B/16": "mae_vitb", "ViT-L/16": "mae_vitl"}
@@ -119,7 +117,7 @@ def measure_config(recipe: str, precision: str, compiled: bool, shards: Path, sc
             "recipe": recipe, "batch": batch, "precision": precision, "compiled": compiled, "shards": str(shards),
             "warmup": args.warmup, "steps": args.steps, "run_dir": str(run_dir), "out": str(run_dir / "result.json"),
         }  # fmt: skip
-        result = run_worker(str(REPO / "benchmarks" / "gpu_step.py"), spec, env, f"{recipe} {precision} {batch}")
+        result = run_worker("benchmarks.gpu_step", spec, env, f"{recipe} {precision} {batch}")
         print(f"[bench] {recipe} {precision}{' compiled' if compiled else ''} batch {batch}: "
               f"{'out of memory' if result.get('oom') else 'fits'}", flush=True)  # fmt: skip
         return None if result.get("oom") else result
@@ -235,8 +233,8 @@ def environment_lines(args: argparse.Namespace) -> list[str]:
         f"- GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} visible (1 used); "
         f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}",
         *machine_lines(args.threads),
-        f"- command: `{' '.join(['python', *sys.argv])}`; {args.warmup} untimed + {args.steps} timed steps per "
-        "measurement, each in a fresh process",
+        f"- command: `{' '.join(['python', '-m', 'benchmarks.bench_gpu', *sys.argv[1:]])}`; {args.warmup} untimed + "
+        f"{args.steps} timed steps per measurement, each in a fresh process",
     ]
 
 

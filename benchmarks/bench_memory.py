@@ -1,8 +1,8 @@
 """Peak memory per rank of MAE pretraining at each ZeRO stage: 2 processes (torchrun, gloo) on CPU, a few bf16 steps
 of the real engine (`parallelize` + `train`) each, written as a table to benchmarks/results/memory.md.
 
-    .venv/bin/python benchmarks/bench_memory.py           # MAE ViT-L/16, 224 px, 2 images per rank (make bench-memory)
-    .venv/bin/python benchmarks/bench_memory.py --quick   # ViT-Ti at 64 px: checks that the script runs
+    .venv/bin/python -m benchmarks.bench_memory           # MAE ViT-L/16, 224 px, 2 images per rank (make bench-memory)
+    .venv/bin/python -m benchmarks.bench_memory --quick   # ViT-Ti at 64 px: checks that the script runs
 
 Each configuration is a fresh `torchrun` job. Every rank reports its peak resident set size (ru_maxrss: the most
 host memory the process ever held, model, optimizer, activations, libraries and all) once the engine is built and
@@ -52,8 +52,8 @@ def peak_gib() -> float:
 
 def worker(spec: dict) -> None:
     import torch
-    from engine_step import MeasurementDone, train_until_done
 
+    from benchmarks.engine_step import MeasurementDone, train_until_done
     from core.config import load_config
     from core.engine.distributed import init_distributed
     from core.engine.setup import parallelize
@@ -122,7 +122,7 @@ def run_case(overrides: list[str], per_rank: int, args: argparse.Namespace, scra
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
-    command += ["--master-port", str(port), __file__, "--worker", json.dumps(spec)]
+    command += ["--master-port", str(port), "-m", "benchmarks.bench_memory", "--worker", json.dumps(spec)]
     proc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{overrides} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             results[label] = run_case(overrides, per_rank or args.per_rank, args, Path(scratch))
             print(f"[bench] {label}: peak {max(r['peak_gib'] for r in results[label]):.2f} GiB per rank", flush=True)
     import torch
-    from bench_engine import publish
+
+    from benchmarks.bench_engine import publish
 
     lines = [
         "# Peak memory per rank at each ZeRO stage",
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} steps each",
         "- peak RSS: the process's ru_maxrss (all host memory it ever held, ~0.5 GiB of it libraries); malloc: "
         f"{'tcmalloc (as launch.sh)' if TCMALLOC.is_file() else 'glibc'}",
-        f"- command: `{' '.join(['python', *sys.argv])}`",
+        f"- command: `{' '.join(['python', '-m', 'benchmarks.bench_memory', *sys.argv[1:]])}`",
         "",
         *render(results),
         "",
@@ -199,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        sys.path.insert(0, str(REPO))
         worker(json.loads(sys.argv[2]))
         sys.exit(0)
     sys.exit(main())

@@ -1,8 +1,8 @@
 """Fixed per-step cost on the quickstart models: the engine's training step against a plain timm loop, side by side.
 
-    .venv/bin/python benchmarks/bench_overhead.py                       # fine-tuning and MAE, ZeRO-0/1/2, 3 rounds
-    .venv/bin/python benchmarks/bench_overhead.py --before HEAD~3       # + the engine as it was at a git revision
-    .venv/bin/python benchmarks/bench_overhead.py --profile ft:1        # cProfile of one case, top entries printed
+    .venv/bin/python -m benchmarks.bench_overhead                       # fine-tuning and MAE, ZeRO-0/1/2, 3 rounds
+    .venv/bin/python -m benchmarks.bench_overhead --before HEAD~3       # + the engine as it was at a git revision
+    .venv/bin/python -m benchmarks.bench_overhead --profile ft:1        # cProfile of one case, top entries printed
 
 The quickstart recipes (recipes/quickstart_finetune.yaml: ViT 128 wide, 4 blocks at 28 px, batch 128, layer decay
 0.85; recipes/quickstart.yaml: MAE at 28 px, batch 256) are tiny: a step is tens of milliseconds, so what the engine
@@ -32,11 +32,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: benchmarks.workers comes from the repository root
-    sys.path.append(str(REPO))
+from benchmarks.workers import machine_lines, run_worker, worker_env
 
-from benchmarks.workers import machine_lines, run_worker, worker_env  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results" / "overhead.md"
 NEVER = 10**9  # logging / checkpoint period that never comes round in a benchmark run
@@ -242,11 +240,13 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
 
 
 def extract_tree(rev: str, scratch: Path) -> Path:
-    """The repository's files at git revision `rev`, unpacked under `scratch`."""
+    """The repository's files at git revision `rev`, unpacked under `scratch`, less its benchmarks/: the worker is
+    this tree's, only the product code it imports is the revision's."""
     archive = subprocess.run(["git", "archive", rev], cwd=REPO, check=True, stdout=subprocess.PIPE).stdout
     root = scratch / f"tree-{rev.replace('/', '_').replace('~', '_')}"
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(root, filter="data")
+        product = [member for member in tar.getmembers() if member.name.split("/")[0] != "benchmarks"]
+        tar.extractall(root, members=product, filter="data")
     return root
 
 
@@ -255,11 +255,13 @@ def run_case(case: Case, args: argparse.Namespace, scratch: Path, trees: dict[st
     run_dir = Path(tempfile.mkdtemp(dir=scratch))
     spec = {**asdict(case), **{k: getattr(args, k) for k in ("warmup", "steps")}, "profile": profile}
     spec.update(run_dir=str(run_dir), out=str(run_dir / "result.json"))
+    # `python -m` looks in its working directory first: the product packages come from the tree under test, and
+    # `benchmarks` (not in an extracted tree) from PYTHONPATH
     code_root = trees[case.tree] if case.tree else REPO
-    env = worker_env(args.threads, PYTHONPATH=str(code_root), BENCH_CODE_ROOT=str(code_root))
+    env = worker_env(args.threads, PYTHONPATH=str(REPO))
     if TCMALLOC.exists():  # as launch.sh runs
         env["LD_PRELOAD"] = str(TCMALLOC)
-    return run_worker(__file__, spec, env, case)
+    return run_worker("benchmarks.bench_overhead", spec, env, case, cwd=code_root)
 
 
 def run_all(cases: list[Case], args: argparse.Namespace) -> dict[Case, list[dict]]:
@@ -307,7 +309,7 @@ def environment(args: argparse.Namespace, load_before: float) -> list[str]:
         f"interleaved rounds; world size 1 (one-process gloo group), bf16 autocast over fp32 weights",
         f"- 1-min load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} (other jobs shared the "
         "machine: read the ratios, taken side by side, not the absolute times)",
-        f"- command: `{' '.join(['python', *sys.argv])}`",
+        f"- command: `{' '.join(['python', '-m', 'benchmarks.bench_overhead', *sys.argv[1:]])}`",
     ]
 
 
@@ -340,7 +342,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        sys.path.insert(0, os.environ.get("BENCH_CODE_ROOT", str(REPO)))
         worker(sys.argv[2])
         sys.exit(0)
     sys.exit(main())

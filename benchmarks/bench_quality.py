@@ -1,9 +1,9 @@
 """Representation quality (issue 14, `make bench-quality`): every pretraining objective of recipes/bench/ on the same
 ViT and budget, then the same label-efficiency arms for each encoder and for the ViT from scratch.
 
-    .venv/bin/python benchmarks/bench_quality.py                       # the full protocol: hours on 2 CPU cores
-    .venv/bin/python benchmarks/bench_quality.py --objectives mae --scale 0.02      # a smoke run of minutes
-    .venv/bin/python benchmarks/bench_quality.py --seeds 0,1 --objectives mae       # a second seed of one row
+    .venv/bin/python -m benchmarks.bench_quality                       # the full protocol: hours on 2 CPU cores
+    .venv/bin/python -m benchmarks.bench_quality --objectives mae --scale 0.02      # a smoke run of minutes
+    .venv/bin/python -m benchmarks.bench_quality --seeds 0,1 --objectives mae       # a second seed of one row
 
 Per seed S and objective O: the VQ-VAE tokenizer (BEiT-style only), pretraining (recipes/bench/O.yaml, kNN monitor
 on), then for O's export and for scratch: fine-tuning on 1% of the labels (60 per class, 300 steps x 64), 10% (600 per
@@ -29,11 +29,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: the repository's packages come from its root
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.quality_report import (  # noqa: E402
+from benchmarks.quality_report import (
     ENCODERS,
     RESULT_FILE,
     collect,
@@ -43,11 +39,13 @@ from benchmarks.quality_report import (  # noqa: E402
     render,
     summarise_run,
 )
-from benchmarks.smoke_measure import launch  # noqa: E402
-from benchmarks.workers import machine_lines  # noqa: E402
-from core.config import load_config  # noqa: E402
-from core.rundir import flatten  # noqa: E402
-from data.subset import write_per_class_subset  # noqa: E402
+from benchmarks.smoke_measure import launch
+from benchmarks.workers import machine_lines
+from core.config import load_config
+from core.rundir import flatten
+from data.subset import write_per_class_subset
+
+REPO = Path(__file__).resolve().parents[1]
 
 BENCH = REPO / "recipes" / "bench"
 RESULTS = REPO / "benchmarks" / "results" / "quality.md"
@@ -238,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = collect(args.root)
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count())
-    command = " ".join(["benchmarks/bench_quality.py", *argv])
+    command = " ".join(["python", "-m", "benchmarks.bench_quality", *argv])
     header = [f"Command: `{command}` (scale {args.scale:g}, seeds {args.seeds})", "", *machine_lines(threads)]
     if args.scale != 1:
         header += ["", f"**A smoke run: every step count x {args.scale:g}; the numbers say nothing about quality.**"]

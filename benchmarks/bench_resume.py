@@ -10,8 +10,8 @@ Both use the same loader (one rank, in-process, the default shuffle buffer: what
 generated shards of 64 px JPEGs. Also the cost the cursor adds to every batch: the stream's `state()` and pickling
 the batch's cursor (as a DataLoader worker does), next to the time one batch takes to make.
 
-    .venv/bin/python benchmarks/bench_resume.py            # 100 / 1,000 / 10,000 steps of 32, 3 rounds (~3 minutes)
-    .venv/bin/python benchmarks/bench_resume.py --quick    # 1 / 10 / 100 steps, 1 round: checks that it runs
+    .venv/bin/python -m benchmarks.bench_resume            # 100 / 1,000 / 10,000 steps of 32, 3 rounds (~3 minutes)
+    .venv/bin/python -m benchmarks.bench_resume --quick    # 1 / 10 / 100 steps, 1 round: checks that it runs
 """
 
 from __future__ import annotations
@@ -23,20 +23,18 @@ import json
 import pickle
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from data import pipeline, sources
+from data.cursor import StreamCursor
+from data.order import TrainOrder
+from data.specs import WeightedShards, resolve_shards
+from data.transforms import IMAGENET_MEAN, IMAGENET_STD, pretrain_transform
+from data.write import write_shards
 
-from data import pipeline, sources  # noqa: E402
-from data.cursor import StreamCursor  # noqa: E402
-from data.order import TrainOrder  # noqa: E402
-from data.specs import WeightedShards, resolve_shards  # noqa: E402
-from data.transforms import IMAGENET_MEAN, IMAGENET_STD, pretrain_transform  # noqa: E402
-from data.write import write_shards  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SEED, BATCH, SIZE = 0, 32, 64
 NUM_SHARDS, SHARD_SIZE = 32, 64

@@ -2,10 +2,10 @@
 encoder fine-tuned from scratch, and the hybrid and T2T-ViT also after SimMIM pretraining, test top-1 side by side
 with the plain ViT.
 
-    .venv/bin/python benchmarks/encoders_table.py                        # every row (~40 min on 2 cores)
-    .venv/bin/python benchmarks/encoders_table.py --rows vit,t2t         # some rows (names: ROWS below)
-    .venv/bin/python benchmarks/encoders_table.py --dry-run              # print the ./launch.sh commands only
-    .venv/bin/python benchmarks/encoders_table.py --assemble-only        # the table from the runs already there
+    .venv/bin/python -m benchmarks.encoders_table                        # every row (~40 min on 2 cores)
+    .venv/bin/python -m benchmarks.encoders_table --rows vit,t2t         # some rows (names: ROWS below)
+    .venv/bin/python -m benchmarks.encoders_table --dry-run              # print the ./launch.sh commands only
+    .venv/bin/python -m benchmarks.encoders_table --assemble-only        # the table from the runs already there
 
 Each row runs its recipes through `./launch.sh` as a user does, on shards/quickstart (`make quickstart-data`),
 overriding only the run folder and, after SimMIM, `model.init` (the SimMIM export). The fine-tuning recipes share
@@ -26,11 +26,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: the repository's packages come from its root
-    sys.path.insert(0, str(REPO))
+from benchmarks.workers import machine_lines
 
-from benchmarks.workers import machine_lines  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results" / "encoders.md"
 HYBRID_SIMMIM = (
@@ -145,7 +143,7 @@ def render(results: list[RowResult], argv: list[str], machine: list[str]) -> str
             "# Encoders on the Fashion-MNIST quickstart budget",
             "",
             *machine,
-            f"- command: `{' '.join(['python', 'benchmarks/encoders_table.py', *argv])}`",
+            f"- command: `{' '.join(['python', '-m', 'benchmarks.encoders_table', *argv])}`",
             "- fine-tuning: quickstart_finetune.yaml's budget (1000 steps of 128, base lr 5e-3, label smoothing 0.1, "
             "random erasing 0.1), each encoder's quickstart recipe; SimMIM: quickstart.yaml's budget (700 steps of "
             "256, 60% masked) on the same encoder, then the same fine-tuning from its export",

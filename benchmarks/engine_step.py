@@ -253,6 +253,5 @@ def worker(spec_json: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--worker"]:
-        sys.exit("usage: engine_step.py --worker SPEC_JSON (run by benchmarks/bench_engine.py)")
-    sys.path.insert(0, str(REPO))
+        sys.exit("usage: python -m benchmarks.engine_step --worker SPEC_JSON (run by benchmarks.bench_engine)")
     worker(sys.argv[2])

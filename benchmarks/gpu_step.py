@@ -142,6 +142,5 @@ def worker(spec: dict) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--worker"]:
-        sys.exit("usage: gpu_step.py --worker SPEC_JSON (run by benchmarks/bench_gpu.py)")
-    sys.path.insert(0, str(REPO))
+        sys.exit("usage: python -m benchmarks.gpu_step --worker SPEC_JSON (run by benchmarks.bench_gpu)")
     worker(json.loads(sys.argv[2]))

@@ -25,6 +25,8 @@ kernel on CPU, the for-loop one) and the per-iteration lr schedule of `util/lr_s
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import math
 import sys
 import types
@@ -110,12 +112,24 @@ def load_official(path: str | Path, sdpa: bool = False) -> types.SimpleNamespace
     if missing:
         raise FileNotFoundError(f"--official-mae {root}: not a facebookresearch/mae checkout, missing {missing}")
     shims = install_import_shims()
-    sys.path.insert(0, str(root))
-    names = {"models_mae": "models_mae", "engine_pretrain": "engine_pretrain", "misc": "util.misc"}
-    modules = {key: importlib.import_module(name) for key, name in names.items()}
+    # The checkout's own imports (`import util.misc`, `from util.pos_embed import ...`) find its util/ folder
+    util = importlib.util.module_from_spec(importlib.machinery.ModuleSpec("util", None, is_package=True))
+    util.__path__ = [str(root / "util")]
+    sys.modules["util"] = util
+    modules = {name: _import_file(name, root / f"{name}.py") for name in ("models_mae", "engine_pretrain")}
+    modules["misc"] = importlib.import_module("util.misc")
     # looked up when the model is built, not at import
     modules["models_mae"].Block = partial(Timm032Block, fused_attn=sdpa)
     return types.SimpleNamespace(**modules, shims=shims)
+
+
+def _import_file(name: str, path: Path) -> types.ModuleType:
+    """The module at `path`, imported under `name` (and kept in sys.modules, as an import would)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 class RepeatedBatch:

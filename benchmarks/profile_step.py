@@ -1,8 +1,8 @@
 """Where a MAE training step's time goes: torch.profiler's per-op table of the plain loop's step (bench_engine's
 `run_plain`: forward under bf16 autocast, backward, fused AdamW), and optionally of the official MAE code's step.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 .venv/bin/python benchmarks/profile_step.py
-    .venv/bin/python benchmarks/profile_step.py --official-mae ~/mae --batch 32 --steps 2 --rows 30
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 .venv/bin/python -m benchmarks.profile_step
+    .venv/bin/python -m benchmarks.profile_step --official-mae ~/mae --batch 32 --steps 2 --rows 30
 
 It prints, per runner, the ops by self CPU time and a summary by kind (matmuls, attention softmax, layer norm, GELU,
 copies and casts, the rest) with each kind's share of the profiled steps.
@@ -16,8 +16,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.append(str(REPO))
 
 # Op name prefixes -> kind, first match wins; what matches none is "other". The for-loop AdamW's add_ / mul_ / div
 # fall under "elementwise" (their names do not tell them from the model's).

@@ -2,8 +2,8 @@
 resolution, patch size, ZeRO stage and precision, exports, and the fine-tuning / linear-probe / distillation recipe
 that follows it runs 2 steps from that export (`make smoke-recipes`).
 
-    .venv/bin/python benchmarks/smoke_recipes.py                      # every chain -> results/smoke_recipes.md
-    .venv/bin/python benchmarks/smoke_recipes.py --chains mae_vitb    # some chains (names: CHAINS below)
+    .venv/bin/python -m benchmarks.smoke_recipes                      # every chain -> results/smoke_recipes.md
+    .venv/bin/python -m benchmarks.smoke_recipes --chains mae_vitb    # some chains (names: CHAINS below)
 
 Each stage runs through `./launch.sh RECIPE overrides...` exactly as a user runs it (one process), on 224 px JPEG
 shards of ImageNet-like sizes written here, overriding only the run folder, the data paths, the batch (2), the
@@ -12,7 +12,7 @@ length (2 steps, 1 warmup), the data workers and logging every step, plus the ha
 hand-off (BEiT's LayerScale). Per stage it reports the parameters (from the export), the time of the last step
 (without the pictures the loop draws after the step before), the rank's peak resident memory and whether the
 export loads strictly into plain timm with the recipe's shapes (benchmarks/smoke_measure.py measures them).
-tests/dist/test_recipes_at_size.py runs `CI_CHAINS` the same way.
+benchmarks/tests/test_recipes_at_size.py runs `CI_CHAINS` the same way.
 """
 
 from __future__ import annotations
@@ -35,14 +35,12 @@ import numpy as np
 import psutil
 from PIL import Image, ImageDraw
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: the repository's packages come from its root
-    sys.path.insert(0, str(REPO))
+from benchmarks.smoke_measure import check_export, estimated_peak_gib, last_step_seconds, launch, read_metrics
+from core.config import Config, load_config
+from core.models import VIT_SIZES
+from data.write import write_shards
 
-from benchmarks.smoke_measure import check_export, estimated_peak_gib, last_step_seconds, launch, read_metrics  # noqa: E402
-from core.config import Config, load_config  # noqa: E402
-from core.models import VIT_SIZES  # noqa: E402
-from data.write import write_shards  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RECIPES = REPO / "recipes"
 RESULTS = REPO / "benchmarks" / "results" / "smoke_recipes.md"
@@ -94,8 +92,8 @@ REDUCED: dict[str, tuple[str, ...]] = {"mae_vith": ("model.depth=8",)}
 """Chains run a second time with these overrides when a stage did not fit in memory: ViT-H/14 with 8 of its 32
 blocks keeps the width, heads, patch 14, 16x16 grid, decoder and ZeRO-2 of the recipe at a quarter of the memory."""
 CI_CHAINS: dict[str, tuple[Stage, ...]] = {"mae_vitb": CHAINS["mae_vitb"][:2]}
-"""What `make test` runs (tests/dist/test_recipes_at_size.py): MAE ViT-B/16 into fine-tuning. The BEiT chain's checks
-there are marked slow (`pytest -m slow`); every chain runs in `make smoke-recipes`."""
+"""What `make test` runs (benchmarks/tests/test_recipes_at_size.py): MAE ViT-B/16 into fine-tuning. The BEiT chain's
+checks there are marked slow (`pytest -m slow`); every chain runs in `make smoke-recipes`."""
 
 
 @dataclass
@@ -323,7 +321,7 @@ def render(results: list[StageResult], argv: list[str]) -> str:
         f"- machine: {cpu}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.1f} GiB RAM (shared)",
         f"- torch {torch.__version__}, deepspeed {version('deepspeed')}, timm {version('timm')}, "
         f"python {platform.python_version()}",
-        f"- command: `{' '.join(['python', 'benchmarks/smoke_recipes.py', *argv])}`",
+        f"- command: `{' '.join(['python', '-m', 'benchmarks.smoke_recipes', *argv])}`",
         "- each stage: `./launch.sh RECIPE` with 1 process, global batch 2, 2 steps (1 warmup), 1 data worker, on "
         f"224 px JPEG shards ({NUM_CLASSES} classes); everything else as the recipe says",
         "- s/step: the second step, without the pictures drawn after the first; peak RSS: the largest process's, the "

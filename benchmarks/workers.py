@@ -1,4 +1,5 @@
-"""What the interleaved benchmarks share: every measurement runs in a fresh worker process (`SCRIPT --worker SPEC`)
+"""What the interleaved benchmarks share: every measurement runs in a fresh worker process
+(`python -m MODULE --worker SPEC`)
 that makes its own one-process group and writes its timings as JSON to `spec["out"]`."""
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ def worker_env(threads: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_worker(script: str, spec: dict, env: dict[str, str], what: object) -> dict:
-    """Run `script --worker SPEC` in the repository root and return the JSON it wrote to `spec["out"]`; a failed
-    worker raises naming `what` with the end of its output."""
-    command = [sys.executable, script, "--worker", json.dumps(spec)]
-    proc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def run_worker(module: str, spec: dict, env: dict[str, str], what: object, cwd: Path = REPO) -> dict:
+    """Run `python -m module --worker SPEC` in `cwd` (the first place imports look) and return the JSON it wrote to
+    `spec["out"]`; a failed worker raises naming `what` with the end of its output."""
+    command = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
+    proc = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
     return json.loads(Path(spec["out"]).read_text())

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from core.engine.ckpt_files import why_incomplete
+from tests.helpers.files import rot_a_tensor
 from tests.launching import REPO, free_port, torchrun
-from tests.unit.conftest import rot_a_tensor
 
 pytestmark = [pytest.mark.dist, pytest.mark.faults]
 

@@ -12,7 +12,7 @@ from core.engine.utilisation import count_step_flops
 from finetune.classification import Classification
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.targets import Color3Bit4x4
-from tests.unit.conftest import tiny_vit
+from tests.helpers.models import tiny_vit
 
 pytestmark = [
     pytest.mark.gpu,

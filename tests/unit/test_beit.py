@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from data.masking import RandomMaskGenerator
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2
-from tests.unit.conftest import tiny_vit
+from tests.helpers.models import tiny_vit
 
 GRID = (4, 4)
 NORM = dict(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))

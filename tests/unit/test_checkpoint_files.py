@@ -21,7 +21,7 @@ from core.engine.ckpt_files import (
     write_marker,
 )
 from core.engine.rollback import is_spike
-from tests.unit.conftest import rot_a_tensor
+from tests.helpers.files import rot_a_tensor
 
 
 def _tag(ckpt_dir, step: int, *, complete: bool = True):

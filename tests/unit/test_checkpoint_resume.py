@@ -14,7 +14,7 @@ from core.engine.checkpoint import ConversionFiles, RNGState, find_resume, load_
 from core.engine.ckpt_files import write_marker
 from core.engine.failure import PeerLostError
 from core.engine.train_state import TrainState
-from tests.unit.conftest import flip_a_bit, rot_a_tensor
+from tests.helpers.files import flip_a_bit, rot_a_tensor
 
 TRAIN = TrainState(
     step=6, batches_consumed=12, nonfinite_skipped=1, consecutive_nonfinite=1, corrupt_samples=2, best_top1=0.75,

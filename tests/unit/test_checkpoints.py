@@ -16,7 +16,7 @@ from finetune.checkpoints import read_checkpoint
 from finetune.convert import STANDARD_WIDTHS
 from finetune.convert import main as convert_main
 from finetune.handoff import load_encoder, read_pooling_hint
-from tests.unit.conftest import wide_vit
+from tests.helpers.models import wide_vit
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune.classification import Classification
-from tests.unit.conftest import wide_vit
+from tests.helpers.models import wide_vit
 
 
 class FixedLogits(nn.Module):

@@ -15,7 +15,7 @@ from pretrain.knn import pooled_features
 from pretrain.mae import MAE
 from pretrain.simmim import SimMIM
 from pretrain.targets import MeanColor3Bit
-from tests.unit.conftest import tiny_vit
+from tests.helpers.models import tiny_vit
 
 
 class GraphCounter:

@@ -25,7 +25,7 @@ from core.engine.ds_compat import PATCHES, DeepSpeedCompatError
 from core.engine.setup import parallelize
 from pretrain.mae import MAE
 from tests.compat_checks import assert_check_fails
-from tests.unit.conftest import tiny_vit
+from tests.helpers.models import tiny_vit
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import torch
 
 from core.engine import export as export_module
 from core.engine.export import export_model
-from tests.unit.conftest import WIDE, wide_vit
+from tests.helpers.models import WIDE, wide_vit
 
 ARGS = {**WIDE, "mlp_ratio": 4.0}  # the export's model_args for wide_vit()
 

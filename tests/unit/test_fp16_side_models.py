@@ -11,7 +11,7 @@ from finetune.distillation import Distillation
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.targets import TokenizerCodes
 from pretrain.tokenizer import VQVAE
-from tests.unit.conftest import tiny_vit
+from tests.helpers.models import tiny_vit
 
 CPU = torch.device("cpu")
 

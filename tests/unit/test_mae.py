@@ -1,4 +1,4 @@
-"""Tests for pretrain/mae.py on a tiny ViT (tests/unit/conftest.py `wide_vit`: 64 wide, 2 blocks, 28 px images in
+"""Tests for pretrain/mae.py on a tiny ViT (tests/helpers/models.py `wide_vit`: 64 wide, 2 blocks, 28 px images in
 4 px patches -> 7 x 7 grid)."""
 
 from collections import Counter
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from core.models import sincos_pos_embed_2d
 from core.pictures import title_height
 from pretrain.mae import MAE, normalize_patches, patchify, reconstruction_grid, unpatchify
-from tests.unit.conftest import wide_vit
+from tests.helpers.models import wide_vit
 
 DECODER = dict(decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=4)
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)

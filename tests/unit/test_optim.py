@@ -7,7 +7,7 @@ from core.config import load_config
 from core.engine.distributed import DistInfo
 from core.engine.setup import GuardedAdamW, build_optimizer, parallelize, set_attention
 from finetune.classification import Classification
-from tests.unit.conftest import tiny_vit
+from tests.helpers.models import tiny_vit
 
 
 def _groups_by_name(objective, optimizer) -> dict[str, dict]:

@@ -13,7 +13,7 @@ from core.pictures import PADDING, bar_chart, bar_chart_origin, image_grid, titl
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.pictures import MASKED_GREY, OUTLINE, code_usage, code_usage_picture, masked_patch_grid
 from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2, class_colors, quantize_color
-from tests.unit.conftest import tiny_vit
+from tests.helpers.models import tiny_vit
 
 NORM = dict(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
 

@@ -4,7 +4,7 @@ which DeepSpeed's forward reads (deepspeed/runtime/torch_autocast.py): an autoca
 switched off inside it unless the config has a `torch_autocast` section. On a CPU host that call reports CUDA's
 autocast, so the branch is never taken unless the call is made to report the CPU's, as here.
 
-Recipe: none (an MAE of tests/unit/conftest.py's tiny ViT through `parallelize`, one gloo rank)."""
+Recipe: none (an MAE of tests/helpers/models.py's tiny ViT through `parallelize`, one gloo rank)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from core.config import load_config
 from core.engine import setup
 from core.engine.setup import parallelize, set_tf32
 from pretrain.mae import MAE
-from tests.unit.conftest import tiny_vit
+from tests.helpers.models import tiny_vit
 
 NESTED_WARNING = "torch.autocast is enabled outside DeepSpeed but disabled within the DeepSpeed engine"
 

@@ -26,8 +26,8 @@ from core.engine.setup import parallelize
 from core.engine.train_state import TrainState
 from core.logging import MetricsLogger
 from data.pipeline import zero_counts
+from tests.helpers.models import tiny_vit
 from tests.launching import read_metrics
-from tests.unit.conftest import tiny_vit
 from tests.unit.test_evaluate import DIST, EchoEngine, one_hot_batch
 from tests.unit.test_host_syncs import Toy
 

@@ -18,8 +18,8 @@ from core.launch import main as launch_check
 from core.rundir import mark_finished
 from data.__main__ import main as data_main
 from finetune.preflight import resolve
+from tests.helpers.models import tiny_vit
 from tests.launching import TINY_MODEL, copy_shards
-from tests.unit.conftest import tiny_vit
 
 
 @pytest.fixture(scope="module")

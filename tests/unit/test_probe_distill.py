@@ -12,7 +12,7 @@ from finetune.classification import Classification
 from finetune.distillation import Distillation, distillation_loss, to_distilled
 from finetune.probe_ema import WeightEMA, fold_probe_head, make_linear_probe
 from finetune.teacher import load_teacher
-from tests.unit.conftest import tiny_vit
+from tests.helpers.models import tiny_vit
 
 
 def test_linear_probe_trains_only_the_head_and_folds_exactly():

@@ -31,7 +31,7 @@ from finetune.classification import Classification
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.mae import MAE
 from pretrain.targets import MeanColor3Bit
-from tests.unit.conftest import tiny_vit
+from tests.helpers.models import tiny_vit
 
 CPU = torch.device("cpu")
 CLASSES = 4
