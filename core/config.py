@@ -285,7 +285,7 @@ class Config(Section):
     seed: int = 0
     """Seed of the model init, the data order and the masks; each rank adds its rank for its own random draws."""
     model: ModelConfig = ModelConfig()
-    """The backbone (docs/recipe-reference.md, section model)."""
+    """The backbone: architecture, size, image and patch size, and fine-tuning's init and head."""
     data: DataConfig = DataConfig()
     """Training and evaluation shards, batch size, loading and preprocessing."""
     objective: Objective = MAEObjective()
