@@ -14,10 +14,11 @@ class ConfigError(ValueError):
     """A recipe or override that does not fit the schema; the message names the key."""
 
 
-def close_matches(word: str, candidates: list[str], n: int = 1) -> str:
-    """` (did you mean 'x'?)` for the candidates closest to a mistyped `word`; empty when none is close."""
+def close_matches(word: str, candidates: list[str], n: int = 1, prefix: str = "") -> str:
+    """` (did you mean 'x'?)` for the candidates closest to a mistyped `word`, each shown after `prefix`; empty when
+    none is close."""
     close = difflib.get_close_matches(word, candidates, n=n)
-    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    return f" (did you mean {' or '.join(repr(prefix + c) for c in close)}?)" if close else ""
 
 
 def _unwrap(annotation: Any) -> type:

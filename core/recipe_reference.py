@@ -205,8 +205,7 @@ def explain(key: str) -> str:
     wanted = _normalise(key)
     found = [d for d in docs if _normalise(d.key) == wanted]
     if not found:
-        known = list(dict.fromkeys(d.key for d in docs))
-        raise ConfigError(f"{key}: unknown recipe key{close_matches(key, known, n=3)}")
+        raise ConfigError(f"{key}: unknown recipe key{_hint(wanted, docs)}")
     lines = []
     for d in found:
         lines.append(d.key + (f"  ({d.kind})" if d.kind else ""))
@@ -218,6 +217,16 @@ def explain(key: str) -> str:
                 "keys: " + ", ".join(inner), width=100, initial_indent="  ", subsequent_indent="    "
             )
     return "\n".join(lines)
+
+
+def _hint(key: str, docs: list[KeyDoc]) -> str:
+    """The closest keys of the same section (a typo in the last part), else of the whole recipe."""
+    keys = list(dict.fromkeys(_normalise(d.key) for d in docs))
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
+    if siblings:
+        return close_matches(leaf, siblings, n=2, prefix=f"{parent}." if parent else "")
+    return close_matches(key, keys, n=3)
 
 
 def _normalise(key: str) -> str:
