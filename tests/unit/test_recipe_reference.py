@@ -10,7 +10,7 @@ import pytest
 from pydantic import Field
 
 from core.config import Config, ConfigError
-from core.recipe_reference import REGENERATE, all_keys, explain, markdown, tables
+from core.recipe_reference import REGENERATE, all_keys, explain, main, markdown, tables
 from core.sections import MAEObjective, Section
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,6 +84,7 @@ def test_explain_unknown_key_names_close_matches():
 
 
 def test_launch_explain():
+    """Through launch.sh, which answers before it looks for GPUs or a recipe."""
     done = subprocess.run(
         [str(ROOT / "launch.sh"), "--explain", "objective.mask_ratio"], capture_output=True, text=True, timeout=120
     )
@@ -93,9 +94,14 @@ def test_launch_explain():
     assert "default: 0.75" in done.stdout
     assert done.stderr == ""
 
-    done = subprocess.run(
-        [str(ROOT / "launch.sh"), "--explain", "optim.base_lrr"], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 2
-    assert done.stdout == ""
-    assert done.stderr == "optim.base_lrr: unknown recipe key (did you mean 'optim.base_lr'?)\n"
+
+def test_explain_exit_codes(capsys):
+    """What `python -m core.recipe_reference` (and `./launch.sh --explain`, which runs it) prints and returns."""
+    assert main(["--explain", "optim.base_lrr"]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", "optim.base_lrr: unknown recipe key (did you mean 'optim.base_lr'?)\n")
+    assert main(["--explain"]) == 2
+    assert main(["--explain", "optim.base_lr"]) == 0
+    assert capsys.readouterr().out.startswith("optim.base_lr\n  type:    float (> 0.0)\n  default: 0.00015\n")
+    assert main([]) == 0
+    assert capsys.readouterr().out == markdown()
