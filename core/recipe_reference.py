@@ -78,11 +78,8 @@ def _sections_of(key: str, annotation: Any) -> Iterator[tuple[str | None, type[B
             if _is_section(member):
                 yield None, member, f"{key}[]."
         elif _is_section(member):
-            yield (
-                (f"{key}.kind: {member.model_fields['kind'].default}" if _is_choice(annotation) else None),
-                member,
-                f"{key}.",
-            )
+            kind = f"{key}.kind: {member.model_fields['kind'].default}" if _is_choice(annotation) else None
+            yield kind, member, f"{key}."
 
 
 def _members(annotation: Any) -> list[Any]:
