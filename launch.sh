@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Launch a recipe:  ./launch.sh RECIPE [section.key=value ...] [--dry-run] [--allow-config-change]
+# A recipe key's type, default and meaning:  ./launch.sh --explain KEY   (all of them: docs/recipe-reference.md)
 #
 # Run one launch.sh per node: it checks the recipe, the batch split and the files the recipe names (a problem is one
 # line and exit code 2), prints the plan, then starts torchrun, which spawns this node's processes. With HOSTFILE, one
@@ -32,8 +33,17 @@ die() { echo "launch.sh: $*" >&2; exit 2; }
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
+fi
+python="${PYTHON:-}"
+if [[ -z "$python" ]]; then
+    if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python="python3"; fi
+fi
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+if [[ "$1" == "--explain" ]]; then  # reads the schema only: no GPU query, no pre-flight
+    [[ $# -eq 2 ]] || die "usage: ./launch.sh --explain KEY (e.g. objective.mask_ratio)"
+    exec "$python" -m core.recipe_reference --explain "$2"
 fi
 recipe="$1"; shift
 dry_run=0
@@ -44,11 +54,6 @@ done
 # --allow-config-change stays among the arguments: the pre-flight and every rank get it (through torchrun, or the
 # DeepSpeed launcher over ssh, whatever the environment they pass on).
 
-python="${PYTHON:-}"
-if [[ -z "$python" ]]; then
-    if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python="python3"; fi
-fi
-export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 num_gpus="$("$python" -m core.gpus)"  # honours CUDA_VISIBLE_DEVICES and the SLURM step (core/gpus.py)

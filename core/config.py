@@ -51,6 +51,8 @@ class DataConfig(Section):
     global_batch_size: int = Field(256, gt=0)
     """Samples per optimizer step over all ranks and accumulation micro-steps."""
     num_workers: int = Field(2, ge=0)
+    """Data loader worker processes per rank (decoding and augmenting in parallel); 0 loads in the rank's own
+    process."""
     loader_timeout_s: float = Field(LOADER_TIMEOUT_S, gt=0)
     """Seconds a rank waits for one batch from its data workers before it stops with one line naming the worker
     (`data worker N of rank R gave no batch for T s`) instead of hanging on a stuck shard read or transform. It
@@ -72,11 +74,17 @@ class DataConfig(Section):
     schedule in epochs needs it set (e.g. to the main source's sample count, for epochs of the size they had
     without the other sources)."""
     mean: tuple[float, float, float] = IMAGENET_DEFAULT_MEAN
+    """Per-channel RGB mean that images are normalised with (default ImageNet's); exported with the model."""
     std: tuple[float, float, float] = IMAGENET_DEFAULT_STD
+    """Per-channel RGB standard deviation that images are normalised with (default ImageNet's); exported with the
+    model."""
     crop_scale: tuple[float, float] = (0.2, 1.0)
     """RandomResizedCrop area range (MAE pretraining: 0.2-1.0)."""
     eval_crop_pct: float = Field(0.875, gt=0.0, le=1.0)
+    """Evaluation view: resize the shorter side to img_size / eval_crop_pct, then centre-crop img_size (timm's
+    crop_pct); 1 crops nothing away."""
     eval_batch_size_per_device: int = Field(256, gt=0)
+    """Samples per device in one evaluation batch (fine-tuning's data.val; no gradients are kept)."""
     read_timeout_s: float = Field(_READS.timeout_s, gt=0.0, allow_inf_nan=False)
     """Longest wait for a shard's next sample, opening it included, before the read counts as failed and is retried
     (a hung connection, file system or `pipe:` command; docs/shards.md)."""
@@ -106,18 +114,28 @@ class DataConfig(Section):
 
 class OptimConfig(Section):
     base_lr: float = Field(1.5e-4, gt=0.0)
+    """Learning rate before the batch-size rule: the peak lr is base_lr x global_batch_size / lr_base_batch (`lr_rule:
+    scaled`) or base_lr itself (`absolute`); the launch log prints the result."""
     lr_rule: Literal["scaled", "absolute"] = "scaled"
     """scaled: lr = base_lr * global_batch_size / lr_base_batch (MAE, DeiT); absolute: lr = base_lr (BEiT)."""
     lr_base_batch: int = Field(256, gt=0)
+    """The global batch that `base_lr` is quoted for (`lr_rule: scaled`)."""
     min_lr: float = Field(0.0, ge=0.0)
+    """Learning rate at the last step: after the warmup the lr follows a half cosine from the peak down to this."""
     weight_decay: float = Field(0.05, ge=0.0)
+    """Decoupled weight decay (AdamW) or L2 (SGD, LARS) on the weight matrices; biases, norm weights, tokens and
+    position embeddings get none."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's decay rates of the first and second moment estimates (MAE pretraining: 0.9, 0.95; fine-tuning: 0.9,
+    0.999)."""
     eps: float = Field(1e-8, gt=0.0)
+    """AdamW's term added to the denominator for numerical stability."""
     grad_clip: float = Field(0.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     kind: Literal["adamw", "sgd", "lars"] = "adamw"
     """adamw (pretraining, fine-tuning); sgd or lars with `momentum` (linear probe: MAE uses LARS)."""
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Momentum of `kind: sgd` and `kind: lars` (unused by adamw)."""
     ema_decay: float = Field(0.0, ge=0.0, lt=1.0)
     """Keep an exponential moving average of the weights with this decay (e.g. 0.9999) and evaluate it too; 0 = off."""
     layer_decay: float = Field(1.0, gt=0.0, le=1.0)
@@ -127,9 +145,16 @@ class OptimConfig(Section):
 
 class ScheduleConfig(Section):
     steps: int | None = Field(None, gt=0)
+    """Training length in optimizer steps. Set exactly one of `steps` and `epochs`; a recipe without a schedule section
+    trains 1,000 steps."""
     epochs: float | None = Field(None, gt=0)
+    """Training length in epochs, converted once to steps with `data.samples_per_epoch` (or the shards' index.json) and
+    the global batch (rounded up)."""
     warmup_steps: int | None = Field(None, ge=0)
+    """Optimizer steps of linear lr warmup from 0 to the peak; None and no warmup_epochs: no warmup. At most one of
+    warmup_steps and warmup_epochs."""
     warmup_epochs: float | None = Field(None, ge=0)
+    """Warmup length in epochs, converted to steps as `epochs` is (MAE pretraining: 40)."""
 
     @model_validator(mode="after")
     def _one_length(self) -> ScheduleConfig:
@@ -151,6 +176,8 @@ ZERO3_COMPILE_REASON = (
 
 class EngineConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 1
+    """DeepSpeed ZeRO stage: 0 replicates everything (plain data parallel); 1 partitions the optimizer state over the
+    ranks, 2 also the gradients, 3 also the parameters (docs/gpu.md)."""
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     """bf16: autocast over fp32 weights and optimizer state, entered by the DeepSpeed engine around its forward
     (DeepSpeed's `torch_autocast`); fp16: DeepSpeed fp16 with dynamic loss scaling; fp32."""
@@ -167,6 +194,8 @@ class EngineConfig(Section):
     non-finite step's update is still skipped on the device at once; a stop is acted on within this many steps, and
     logging, checkpoint and the last step always read."""
     grad_accum_steps: int = Field(1, gt=0)
+    """Micro-steps whose gradients are summed into one optimizer step; the per-device batch is global_batch_size /
+    (world size x grad_accum_steps)."""
     max_consecutive_nonfinite: int = Field(10, gt=0)
     """Stop after this many optimizer steps in a row skipped for a non-finite loss (checked every
     `sync_every_steps`)."""
@@ -187,6 +216,8 @@ class EngineConfig(Section):
     """sdpa: torch's fused scaled_dot_product_attention; math: timm's explicit matmul-softmax attention; auto: sdpa
     on CUDA, math on CPU, where torch's fused kernel is slower in bf16."""
     fp16_initial_scale_power: int = Field(16, ge=0, le=32)
+    """`precision: fp16`: the dynamic loss scale starts at 2^this (DeepSpeed's initial_scale_power); unused
+    otherwise."""
     offload_optimizer: Literal["none", "cpu"] = "none"
     """ZeRO-1/2/3: keep the fp32 master weights and AdamW moments in host memory and step them there."""
     offload_param: Literal["none", "cpu"] = "none"
@@ -218,15 +249,22 @@ class EngineConfig(Section):
 
 class CheckpointConfig(Section):
     every_steps: int = Field(1000, gt=0)
+    """Save a checkpoint in run_dir/checkpoints every N optimizer steps, and at the last step."""
     keep_last: int = Field(2, gt=0)
+    """Complete checkpoints kept on disk; older ones are deleted after a newer one is saved."""
     export_at_end: bool = True
+    """At the end of the run, write the trained model to run_dir/export (timm layout, ready for fine-tuning or
+    timm.create_model); false: checkpoints only."""
 
 
 class LoggingConfig(Section):
     every_steps: int = Field(10, gt=0)
+    """Log the scalars (console, metrics.jsonl, TensorBoard) every N optimizer steps, and at the last step; each log
+    waits for the device."""
     image_every_steps: int = Field(500, ge=0)
     """Reconstruction grids from a fixed batch every N steps (0 = off)."""
     tensorboard: bool = True
+    """Also write TensorBoard events to run_dir/tb; metrics.jsonl and the console are written either way."""
 
 
 class EvalConfig(Section):
@@ -240,19 +278,34 @@ class EvalConfig(Section):
 
 class Config(Section):
     stage: Literal["pretrain", "finetune", "tokenizer"] = "pretrain"
+    """What the recipe trains: pretrain (an encoder with objective mae, beit or simmim), finetune (classification from
+    model.init or scratch), tokenizer (the VQ-VAE that BEiT's tokenizer target reads)."""
     run_dir: str = "runs/default"
+    """The run's folder: config, logs, checkpoints, export. Relaunching into it resumes the run (docs/run_dir.md)."""
     seed: int = 0
+    """Seed of the model init, the data order and the masks; each rank adds its rank for its own random draws."""
     model: ModelConfig = ModelConfig()
+    """The backbone: architecture, size, image and patch size, and fine-tuning's init and head."""
     data: DataConfig = DataConfig()
+    """Training and evaluation shards, batch size, loading and preprocessing."""
     objective: Objective = MAEObjective()
+    """What is trained, chosen by `kind`; without a kind: the stage's first (mae, classification, vqvae)."""
     optim: OptimConfig = OptimConfig()
+    """Optimizer, learning rate and weight decay."""
     schedule: ScheduleConfig = ScheduleConfig(steps=1000)
+    """Training length and lr warmup (steps or epochs)."""
     engine: EngineConfig = EngineConfig()
+    """DeepSpeed (ZeRO stage, precision, offload), device and numerical-fault handling."""
     checkpoint: CheckpointConfig = CheckpointConfig()
+    """How often checkpoints are saved, how many are kept, and the export at the end."""
     logging: LoggingConfig = LoggingConfig()
+    """How often scalars and pictures are logged."""
     eval: EvalConfig = EvalConfig()
+    """Evaluation: fine-tuning's held-out accuracy, pretraining's kNN monitor."""
     augment: AugmentConfig = AugmentConfig()
+    """Fine-tuning augmentation and regularisation on the training stream."""
     distill: DistillConfig = DistillConfig()
+    """DeiT distillation from a frozen teacher (fine-tuning)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

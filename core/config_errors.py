@@ -14,6 +14,13 @@ class ConfigError(ValueError):
     """A recipe or override that does not fit the schema; the message names the key."""
 
 
+def close_matches(word: str, candidates: list[str], n: int = 1, prefix: str = "") -> str:
+    """` (did you mean 'x'?)` for the candidates closest to a mistyped `word`, each shown after `prefix`; empty when
+    none is close."""
+    close = difflib.get_close_matches(word, candidates, n=n)
+    return f" (did you mean {' or '.join(repr(prefix + c) for c in close)}?)" if close else ""
+
+
 def _unwrap(annotation: Any) -> type:
     """`Annotated[X, ...]` -> X; a plain class as it is; anything else -> `object`."""
     if typing.get_origin(annotation) is Annotated:
@@ -74,9 +81,7 @@ def explain(err: ValidationError, source: str, root: type[BaseModel]) -> ConfigE
         key = ".".join(keys) or "<root>"
         if e["type"] == "extra_forbidden":
             fields = list(parent.model_fields) if parent is not None else []
-            close = difflib.get_close_matches(keys[-1], fields, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            lines.append(f"{key}: unknown key{hint}")
+            lines.append(f"{key}: unknown key{close_matches(keys[-1], fields)}")
         elif keys:
             lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
         else:  # a cross-field check: its message names the keys

@@ -37,9 +37,14 @@ class ModelConfig(Section):
     vt_variant: Literal[18, 34, 50, 101] = 18
     """vt_resnet: VT-ResNet-18/34/50/101; `embed_dim` overrides the token width (1024)."""
     embed_dim: int | None = Field(None, gt=0)
+    """Token width; None: the size preset's (tiny 192, small 384, base 768, large 1024, huge 1280) or the variant's."""
     depth: int | None = Field(None, gt=0)
+    """Transformer blocks; None: the size preset's or the variant's."""
     num_heads: int | None = Field(None, gt=0)
+    """Attention heads per block (must divide embed_dim); None: the size preset's or the variant's."""
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    """Stochastic depth: the largest probability of skipping a block's residual branch, rising linearly over the blocks
+    (MAE fine-tuning ViT-B: 0.1); 0 turns it off."""
     layer_scale_init: float | None = Field(None, gt=0.0)
     """LayerScale: per-channel residual scales initialised to this value (BEiT: 0.1); None turns it off."""
     global_pool: Literal["auto", "token", "avg"] = "auto"
@@ -54,6 +59,7 @@ class ModelConfig(Section):
     head_init: Literal["zero", "trunc_normal"] = "zero"
     """Classifier head init: zero weight and bias (ViT paper), or truncated normal with `head_init_std` (MAE)."""
     head_init_std: float = Field(2e-5, gt=0.0)
+    """Standard deviation of the `trunc_normal` classifier head (MAE: 2e-5)."""
     pos_embed_resize: Literal["interpolate", "sincos"] = "interpolate"
     """On a patch-grid change: bicubic interpolation of the pretrained grid, or (for encoders pretrained with fixed
     2-D sin-cos position embeddings, e.g. MAE) regenerate sin-cos values for the new grid."""

@@ -10,25 +10,37 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # use_attribute_docstrings: the docstring under each field is its description, read at run time by
+    # core/recipe_reference.py (the generated docs/recipe-reference.md, `./launch.sh --explain KEY`).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class MAEObjective(Section):
     kind: Literal["mae"] = "mae"
+    """mae: MAE (He et al. 2022): the encoder sees only the visible patches, a light decoder reconstructs the masked
+    ones' pixels. Needs model.arch vit."""
     mask_ratio: float = Field(0.75, gt=0.0, lt=1.0)
+    """Fraction of patches masked (dropped before the encoder) per image; MAE: 0.75."""
     norm_pix_loss: bool = True
+    """Reconstruct each patch's pixels standardised by that patch's own mean and variance (MAE's default, better
+    features); false: the normalised image's pixels."""
     decoder_embed_dim: int = Field(512, gt=0)
+    """Width of the MAE decoder (used in pretraining only; not exported)."""
     decoder_depth: int = Field(8, gt=0)
+    """Transformer blocks of the MAE decoder."""
     decoder_num_heads: int = Field(16, gt=0)
+    """Attention heads per MAE decoder block (must divide decoder_embed_dim)."""
 
 
 class BlockwiseMask(Section):
     """BEiT's block masking: rectangles of at least `min_patches` until `num_masked` patches are covered."""
 
     kind: Literal["blockwise"] = "blockwise"
+    """blockwise: BEiT's rectangular blocks (the default when the mask section gives no kind)."""
     num_masked: int | None = Field(None, gt=0)
     """Patches to mask per image (BEiT-B: 75 of 196); default round(0.4 x patches)."""
     min_patches: int = Field(16, gt=0)
+    """Smallest block, in patches."""
     max_patches: int | None = Field(None, gt=0)
     """Largest block; default num_masked."""
     aspect_ratio: tuple[float, float] = (0.3, 1 / 0.3)
@@ -51,7 +63,9 @@ class RandomMask(Section):
     """Uniformly random patches (the ViT paper's masked-patch prediction: 50%)."""
 
     kind: Literal["random"] = "random"
+    """random: patches chosen uniformly at random."""
     ratio: float = Field(0.5, gt=0.0, lt=1.0)
+    """Fraction of patches selected per image (rounded)."""
 
     def budget(self, num_patches: int) -> int:
         return round(self.ratio * num_patches)
@@ -89,12 +103,17 @@ class BEiTObjective(Section):
     """Masked-patch prediction over all patches (BEiT, and the ViT paper's variant with colour targets)."""
 
     kind: Literal["beit"] = "beit"
+    """beit: every patch enters the encoder, the selected ones corrupted; a head predicts each selected patch's
+    target."""
     mask: Mask = BlockwiseMask()
+    """How patches are selected (`kind: blockwise` or `random`)."""
     corruption: Literal["mask_token", "mixed"] = "mask_token"
     """mask_token: every selected patch becomes the mask token (BEiT); mixed: 80% mask token, 10% another random
     patch's embedding, 10% unchanged (the ViT paper). The loss covers every selected patch."""
     target: TargetConfig = TargetConfig()
+    """What each selected patch must predict."""
     head: Literal["linear", "mlp"] = "linear"
+    """Prediction head on the encoder's tokens: linear, or mlp (Linear, GELU, LayerNorm, Linear)."""
 
 
 class SimMIMObjective(Section):
@@ -103,6 +122,7 @@ class SimMIMObjective(Section):
     needs no encoder that sees patches independently: it pretrains the hybrid and T2T-ViT too."""
 
     kind: Literal["simmim"] = "simmim"
+    """simmim: SimMIM (see the section's description); works with model.arch vit, vit_hybrid and t2t_vit."""
     mask_ratio: float = Field(0.6, gt=0.0, lt=1.0)
     """Fraction of mask units masked per image (SimMIM: 0.6); the count is ceil(ratio x units)."""
     mask_patch_size: int = Field(2, gt=0)
@@ -114,21 +134,28 @@ class VQVAEObjective(Section):
     """The image tokenizer trained by `stage: tokenizer`: a VQ-VAE with an EMA codebook and dead-code restarts."""
 
     kind: Literal["vqvae"] = "vqvae"
+    """vqvae: the image tokenizer (stage tokenizer only)."""
     img_size: int | tuple[int, int] = 112
     """The tokenizer's input resolution (BEiT: a 112 px view for a 224 px / patch 16 encoder)."""
     downsample: int = Field(8, gt=1)
     """Pixels per code along each side (a power of two); grid = img_size / downsample."""
     codebook_size: int = Field(8192, gt=1)
+    """Codes in the codebook: the tokenizer's vocabulary, the classes BEiT's head predicts (BEiT: 8192)."""
     code_dim: int = Field(32, gt=0)
+    """Dimension of a code vector."""
     hidden_dim: int = Field(128, gt=0)
+    """Channels of the tokenizer's convolutional encoder and decoder."""
     commitment: float = Field(0.25, ge=0.0)
+    """Weight of the commitment loss, MSE between the encoder's output and its (gradient-stopped) nearest code."""
     ema_decay: float = Field(0.99, gt=0.0, lt=1.0)
+    """Decay of the codebook's exponential moving averages (codes are updated by EMA, not by the optimizer)."""
     dead_code_threshold: float = Field(1.0, ge=0.0)
     """A code whose EMA usage count falls below this is restarted next to a busy one."""
 
 
 class ClassificationObjective(Section):
     kind: Literal["classification"] = "classification"
+    """classification: cross-entropy on class labels (stage finetune)."""
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
     """Applied by Mixup/CutMix to its soft targets when they are on, else by the cross-entropy."""
     mode: Literal["finetune", "linear_probe"] = "finetune"
@@ -139,6 +166,7 @@ class AugmentConfig(Section):
     """Fine-tuning augmentation and regularisation (timm's implementations), applied on the training stream."""
 
     hflip: float = Field(0.5, ge=0.0, le=1.0)
+    """Probability of flipping a training image horizontally."""
     auto_augment: str | None = None
     """timm RandAugment / AutoAugment policy string, e.g. `rand-m9-mstd0.5-inc1` (MAE fine-tuning)."""
     re_prob: float = Field(0.0, ge=0.0, le=1.0)
@@ -164,6 +192,7 @@ class DistillConfig(Section):
     teacher_arch: str | None = None
     """timm architecture of the teacher when `teacher` is a bare state dict (e.g. `vit_small_patch16_224`)."""
     tau: float = Field(3.0, gt=0.0)
+    """`kind: soft`: temperature that softens the student's and the teacher's outputs (DeiT: 3)."""
     alpha: float = Field(0.5, ge=0.0, le=1.0)
     """Weight of the teacher loss (DeiT: 1/2)."""
 
@@ -197,12 +226,14 @@ class KNNBank(KNNSet):
     """The kNN monitor's bank: as `KNNSet`, 10,000 samples unless the recipe says."""
 
     max_samples: int | None = Field(10000, gt=0)
+    """Embed at most this many samples of the bank (spread over its shards as in eval.knn.query); None: all of them."""
 
 
 class KNNConfig(Section):
     """The kNN monitor of pretraining (DINO's weighted k-NN classifier on frozen features, docs/tensorboard.md)."""
 
     enabled: bool = False
+    """Run the kNN monitor during pretraining (needs labelled bank and query shards)."""
     every_steps: int = Field(1000, gt=0)
     """Embed the bank and the queries and classify every N optimizer steps (and at the last step)."""
     bank: KNNBank = KNNBank()
@@ -216,6 +247,7 @@ class KNNConfig(Section):
     pooling: Literal["cls", "mean"] = "cls"
     """The image's feature: the class token after the final norm, or the mean of the patch tokens after it."""
     batch_size_per_device: int = Field(256, gt=0)
+    """Samples per device in one embedding batch of the bank or the queries."""
 
 
 class TrainSource(Section):
