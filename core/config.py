@@ -7,6 +7,7 @@ The layers are merged into one plain tree in core/recipe_tree.py; core/config_er
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 from typing import Literal
@@ -222,11 +223,41 @@ class CheckpointConfig(Section):
     export_at_end: bool = True
 
 
+WANDB_INSTALL = "pip install 'mimpipe[wandb]'"
+"""How to get the optional wandb dependency (pyproject's `wandb` extra)."""
+
+
+def wandb_installed() -> bool:
+    """Whether wandb can be imported, found without importing it (an import takes seconds)."""
+    try:
+        return importlib.util.find_spec("wandb") is not None
+    except ValueError:  # sys.modules["wandb"] is None: imports of it are blocked
+        return False
+
+
+class WandbConfig(Section):
+    """Weights & Biases beside TensorBoard (rank 0; the same scalars, images and histograms; docs/logging.md)."""
+
+    enabled: bool = Field(False, description="Also log to Weights & Biases (needs `pip install 'mimpipe[wandb]'`).")
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: files under `dir` only, uploaded later with `wandb sync`; online: streamed to the W&B "
+        "server (needs `wandb login` or WANDB_API_KEY).",
+    )
+    project: str = Field("mimpipe", description="The W&B project the run belongs to.")
+    entity: str | None = Field(None, description="The W&B user or team; None: the logged-in user's default.")
+    name: str | None = Field(None, description="The run's display name; None: the run_dir's folder name.")
+    dir: str | None = Field(
+        None, description="Where W&B writes its `wandb/` folder; None: the run_dir (the run's id is kept there)."
+    )
+
+
 class LoggingConfig(Section):
     every_steps: int = Field(10, gt=0)
     image_every_steps: int = Field(500, ge=0)
     """Reconstruction grids from a fixed batch every N steps (0 = off)."""
     tensorboard: bool = True
+    wandb: WandbConfig = Field(WandbConfig(), description="Weights & Biases logging (off by default).")
 
 
 class EvalConfig(Section):
@@ -266,6 +297,8 @@ class Config(Section):
                 "optim.ema_decay does not work with engine.zero_stage 3 (the average would be partitioned)"
             )
         check_arch(self)
+        if self.logging.wandb.enabled and not wandb_installed():
+            raise ValueError(f"logging.wandb.enabled needs wandb, which is not installed: {WANDB_INSTALL}")
         if isinstance(self.objective, BEiTObjective):
             num_patches = math.prod(self.model.grid)
             budget = self.objective.mask.budget(num_patches)
