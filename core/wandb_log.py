@@ -13,6 +13,8 @@ last step of metrics.jsonl before it is cut back to the checkpoint), and logs fr
 from __future__ import annotations
 
 import json
+import secrets
+import string
 from pathlib import Path
 
 import numpy as np
@@ -88,13 +90,12 @@ class WandbSink:
 
 
 def run_id(run_dir: Path) -> str:
-    """The W&B run id kept in `run_dir/wandb_id`, made (W&B's own random id) and written there at the first call."""
+    """The W&B run id kept in `run_dir/wandb_id`, made and written there at the first call (8 random lowercase
+    letters and digits, as W&B makes its own)."""
     path = run_dir / ID_FILE
     if path.is_file():
         return path.read_text().strip()
-    from wandb.sdk.lib.runid import generate_id
-
-    new = generate_id()
+    new = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
     path.write_text(new + "\n")
     return new
 
