@@ -7,6 +7,7 @@ The layers are merged into one plain tree in core/recipe_tree.py; core/config_er
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 from typing import Literal
@@ -257,6 +258,36 @@ class CheckpointConfig(Section):
     timm.create_model); false: checkpoints only."""
 
 
+WANDB_INSTALL = "pip install 'mimpipe[wandb]'"
+"""How to get the optional wandb dependency (pyproject's `wandb` extra)."""
+
+
+def wandb_installed() -> bool:
+    """Whether wandb can be imported, found without importing it (an import takes seconds)."""
+    try:
+        return importlib.util.find_spec("wandb") is not None
+    except ValueError:  # sys.modules["wandb"] is None: imports of it are blocked
+        return False
+
+
+class WandbConfig(Section):
+    """Weights & Biases beside TensorBoard (rank 0; the same scalars, images and histograms; docs/logging.md)."""
+
+    enabled: bool = False
+    """Also log to Weights & Biases (needs `pip install 'mimpipe[wandb]'`)."""
+    mode: Literal["offline", "online"] = "offline"
+    """offline: files under `dir` only, uploaded later with `wandb sync`; online: streamed to the W&B server (needs
+    `wandb login` or WANDB_API_KEY)."""
+    project: str = "mimpipe"
+    """The W&B project the run belongs to."""
+    entity: str | None = None
+    """The W&B user or team; None: the logged-in user's default."""
+    name: str | None = None
+    """The run's display name; None: the run_dir's folder name."""
+    dir: str | None = None
+    """Where W&B writes its `wandb/` folder; None: the run_dir (the run's id is kept there)."""
+
+
 class LoggingConfig(Section):
     every_steps: int = Field(10, gt=0)
     """Log the scalars (console, metrics.jsonl, TensorBoard) every N optimizer steps, and at the last step; each log
@@ -265,6 +296,8 @@ class LoggingConfig(Section):
     """Reconstruction grids from a fixed batch every N steps (0 = off)."""
     tensorboard: bool = True
     """Also write TensorBoard events to run_dir/tb; metrics.jsonl and the console are written either way."""
+    wandb: WandbConfig = WandbConfig()
+    """Weights & Biases beside TensorBoard (off by default; docs/logging.md)."""
 
 
 class EvalConfig(Section):
@@ -319,6 +352,8 @@ class Config(Section):
                 "optim.ema_decay does not work with engine.zero_stage 3 (the average would be partitioned)"
             )
         check_arch(self)
+        if self.logging.wandb.enabled and not wandb_installed():
+            raise ValueError(f"logging.wandb.enabled needs wandb, which is not installed: {WANDB_INSTALL}")
         if isinstance(self.objective, BEiTObjective):
             num_patches = math.prod(self.model.grid)
             budget = self.objective.mask.budget(num_patches)

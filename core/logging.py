@@ -1,9 +1,11 @@
 """Rank-0 run logging: TensorBoard under `run_dir/tb`, the same scalars in `run_dir/metrics.jsonl`, and console
-progress. Every other rank gets a logger whose methods do nothing, so call sites need no rank checks.
+progress, and Weights & Biases when `logging.wandb.enabled` (core/wandb_log.py). Every other rank gets a logger whose
+methods do nothing, so call sites need no rank checks.
 
 A resumed run logs each step once: what the interrupted run logged after the checkpoint's step is dropped from
 metrics.jsonl (rewritten atomically before anything is appended) and from TensorBoard (`purge_step`: TensorBoard
-discards the earlier events from that step on when it reads the new event file's start marker)."""
+discards the earlier events from that step on when it reads the new event file's start marker); W&B keeps the first
+values of a step instead (see core/wandb_log.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from core.config import WandbConfig
+from core.wandb_log import WandbSink, last_logged_step
 
 
 class MetricsLogger:
@@ -26,6 +31,7 @@ class MetricsLogger:
         total_steps: The schedule's length, for the console's ETA.
         resume_step: The step of the checkpoint a resumed run starts from: what was logged after it is dropped
             (see the module docstring). None for a fresh run.
+        wandb: The recipe's `logging.wandb`; None or not `enabled`: no W&B.
     """
 
     def __init__(
@@ -36,16 +42,21 @@ class MetricsLogger:
         tensorboard: bool = True,
         total_steps: int = 0,
         resume_step: int | None = None,
+        wandb: WandbConfig | None = None,
     ):
         self.enabled = enabled
         self.total_steps = total_steps
         self._run_dir, self._tensorboard = run_dir, tensorboard
         self._writer = None
         self._jsonl = None
+        self._wandb = None
         self._start = time.perf_counter()
         self._start_step = 0
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if wandb is not None and wandb.enabled:  # before metrics.jsonl is cut: it says what W&B holds
+                held = -1 if resume_step is None else last_logged_step(run_dir / "metrics.jsonl")
+                self._wandb = WandbSink(wandb, run_dir, done_through=held)
             self._open(resume_step)
 
     def _open(self, last_step: int | None) -> None:
@@ -64,8 +75,10 @@ class MetricsLogger:
         """Drop what was logged after `step`, as a resume from it does: a rollback (core/engine/rollback.py) trains
         those steps again, and each step is logged once."""
         if self.enabled:
-            self.close()
+            self._close_files()
             self._open(step)
+            if self._wandb is not None:
+                self._wandb.rewind()
 
     def mark_start(self, step: int) -> None:
         """Restart the ETA clock (after resume, or after the first step's warm-up)."""
@@ -79,14 +92,20 @@ class MetricsLogger:
                 self._writer.add_scalar(name, value, step)
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
         self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, values)
 
     def image(self, tag: str, step: int, image: torch.Tensor) -> None:
         """`image`: (3, H, W) float in [0, 1]."""
         if self.enabled and self._writer is not None:
             self._writer.add_image(tag, image.clamp(0, 1), step)
+        if self._wandb is not None:
+            self._wandb.log(step, {tag: self._wandb.image(image)})
 
     def histogram_counts(self, tag: str, step: int, counts: torch.Tensor) -> None:
         """A histogram of integer values from their counts: `counts[i]` samples of value i, one bucket per value."""
+        if self._wandb is not None:
+            self._wandb.log(step, {tag: self._wandb.histogram(counts)})
         if not (self.enabled and self._writer is not None):
             return
         counts = counts.detach().double().cpu()
@@ -113,8 +132,10 @@ class MetricsLogger:
         metric column, showing each run's latest value, so it stays right however often the run is resumed.
 
         Args:
-            config: The resolved config as a nested dict; logged as `flat_hparams(config)`.
+            config: The resolved config as a nested dict; logged as `flat_hparams(config)` (W&B: as it is).
         """
+        if self._wandb is not None:
+            self._wandb.config(config)
         if not (self.enabled and self._writer is not None):
             return
         from torch.utils.tensorboard.summary import hparams
@@ -144,6 +165,12 @@ class MetricsLogger:
         print(f"step {step:>{width}}/{self.total_steps}  {shown}  eta {_clock(eta)}", file=sys.stdout, flush=True)
 
     def close(self) -> None:
+        self._close_files()
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
+
+    def _close_files(self) -> None:
         if self._writer is not None:
             self._writer.close()
         if self._jsonl is not None:

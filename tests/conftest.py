@@ -1,5 +1,5 @@
 """Session fixtures shared by tests/dist and tests/gpu: synthetic shards. Also pins DeepSpeed's accelerator of the
-test process to the CPU's, as CI has it."""
+test process to the CPU's, as CI has it, and keeps W&B offline."""
 
 from __future__ import annotations
 
@@ -14,6 +14,18 @@ from tests.launching import write_synthetic
 # engines the unit tests build on the CPU would then move to the GPU. Processes the tests start set their own
 # (tests/launching.py); tests/gpu runs its CUDA engines in such processes.
 os.environ["DS_ACCELERATOR"] = "cpu"
+
+# W&B (logging.wandb) never reaches the network in the tests: offline whatever a recipe says, no error reports, no
+# git or code capture, no system metrics, quiet; every process the tests start inherits this.
+os.environ.update(
+    WANDB_MODE="offline",
+    WANDB_SILENT="true",
+    WANDB_CONSOLE="off",
+    WANDB_DISABLE_GIT="true",
+    WANDB_DISABLE_CODE="true",
+    WANDB_ERROR_REPORTING="false",
+    WANDB__DISABLE_STATS="true",
+)
 
 
 @pytest.fixture(scope="session")

@@ -107,6 +107,7 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
         tensorboard=cfg.logging.tensorboard,
         total_steps=total_steps,
         resume_step=None if resume is None else state.step,
+        wandb=cfg.logging.wandb,
     )
     for note in notes:
         logger.console(f"[mimpipe] {note}")

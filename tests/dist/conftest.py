@@ -10,9 +10,11 @@ from tests.launching import launch, pretrain_recipe, write_recipe
 
 @pytest.fixture(scope="session")
 def zero2_run(shards, tmp_path_factory):
-    """6 steps of MAE, ZeRO-2, 2 processes, checkpoints at 3 and 6: (run_dir, launch output)."""
+    """6 steps of MAE, ZeRO-2, 2 processes, checkpoints at 3 and 6, W&B offline beside TensorBoard: (run_dir, launch
+    output)."""
     tmp = tmp_path_factory.mktemp("zero2")
-    recipe = write_recipe(tmp / "tiny_mae.yaml", pretrain_recipe(shards, tmp / "run"))
+    wandb = {"wandb": {"enabled": True, "mode": "offline", "project": "tests"}}
+    recipe = write_recipe(tmp / "tiny_mae.yaml", pretrain_recipe(shards, tmp / "run", logging=wandb))
     proc = launch(recipe)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return tmp / "run", proc.stdout

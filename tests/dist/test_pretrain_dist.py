@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
+from tests.helpers.wandb_files import history, offline_runs, run_ids
 from tests.launching import REPO, assert_resume_repeats, launch, losses, pretrain_recipe, read_metrics, write_recipe
 
 pytestmark = pytest.mark.dist
@@ -71,6 +72,12 @@ def test_resume_gives_the_same_next_losses(zero2_run, tmp_path):
     assert first.count(hparams_metadata.SESSION_START_INFO_TAG) == 1
     assert hparams_metadata.SESSION_START_INFO_TAG not in resumed
     assert first.count("train/reconstruction") == 3 and resumed.count("train/reconstruction") == 2  # 1, 3, 6; 4, 6
+
+    # W&B: the resumed launch continues the run's W&B run in a folder of its own (its metrics.jsonl was removed
+    # above, so nothing counts as sent already and steps 4-6 go to W&B again)
+    first_wandb, resumed_wandb = offline_runs(tmp_path / "run")
+    assert run_ids(first_wandb) == run_ids(resumed_wandb)
+    assert {step: row["train/loss"] for step, row in history(resumed_wandb).items()} == losses(tmp_path / "run")
 
 
 def test_bad_recipe_fails_before_any_process_starts(shards, tmp_path):
