@@ -9,9 +9,11 @@ takes the parameters it is called with, reads the names it is patched around) on
 
 Patches come in three classes (docs/deepspeed_patches.md says what each replaces and why):
 - correctness (work-arounds for DeepSpeed bugs, and the internals the engine reads): always on. `parallelize` runs
-  their checks first; on a release they were not checked against, or with an internal changed, the launch stops
-  with one line naming the patch, the installed version and the pin, since a run without them, or with them
-  applied to changed code, would train or save wrongly.
+  the checks of those the run needs (`needed`) first; a changed internal stops the launch with one line naming the
+  patch, what changed, the installed version and the pin, since a run without the patch would train or save
+  wrongly. On a release they were not checked against, those whose change would be silent (`stops_unchecked`: the
+  ZeRO-3 initialisation and the fp16 loss scale and masters) stop the launch the same way; the others warn once and
+  are applied when their check passes, since a change in what they rely on would show at once.
 - memory and speed: applied only when their engine setting asks (`SETTINGS`), and only through `applies()`, which
   on an unchecked release or a failed check warns once and skips the patch: the run is the same without them.
 
@@ -66,28 +68,41 @@ PatchClass = Literal["correctness", "memory", "speed"]
 
 @dataclass(frozen=True)
 class Patch:
-    """One reliance on DeepSpeed internals: `check()` raises DeepSpeedCompatError when the installed release is not
-    one it was checked against or the internal has changed."""
+    """One reliance on DeepSpeed internals: `check()` raises DeepSpeedCompatError when the internal has changed, or
+    when the installed release is not one it was checked against and the patch cannot be trusted there."""
 
     name: str
     kind: PatchClass
     verify: Callable[[str], None]
     """Checks the internals the patch relies on; called with the patch's name, for the error."""
+    stops_unchecked: bool = True
+    """On a release it was not checked against: stop (memory and speed patches are then skipped by `applies`), or
+    (False) warn once and apply it when its check passes: correctness patches whose change would show loudly."""
 
     def check(self) -> None:
-        DEEPSPEED.check_version(self.name)
+        if not DEEPSPEED.is_checked():
+            if self.stops_unchecked:
+                DEEPSPEED.check_version(self.name)
+            self.verify(self.name)
+            version, series = DEEPSPEED.version(), WRITTEN_FOR
+            _warn_once(self.name, f"DeepSpeed patch {self.name!r} was checked on {series}.x, not deepspeed {version}.")
+            return
         self.verify(self.name)
 
 
-_skipped: set[str] = set()
-"""The memory and speed patches already warned about in this process."""
+_warned: set[str] = set()
+"""The patches already warned about in this process."""
+
+
+def _warn_once(name: str, message: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        log.warning("%s", message)
 
 
 def _skip(name: str, why: str) -> bool:
     """Warn, once per process and in one line, that the optional patch `name` is skipped and why; False."""
-    if name not in _skipped:
-        _skipped.add(name)
-        log.warning("%s Skipped: the run goes on without it (engine.%s).", why, SETTINGS[name])
+    _warn_once(name, f"{why} Skipped: the run goes on without it (engine.{SETTINGS[name]}).")
     return False
 
 
@@ -503,7 +518,7 @@ def _check_checkpoint_writes(patch: str) -> None:
 PATCHES: dict[str, Patch] = {
     patch.name: patch
     for patch in (
-        Patch("zero3_param_attributes", "correctness", _check_zero3_param_attributes),
+        Patch("zero3_param_attributes", "correctness", _check_zero3_param_attributes, stops_unchecked=False),
         Patch("zero_init_apply", "correctness", _check_zero_init_apply),
         Patch("fp32_master_shared", "memory", _check_fp32_master_shared),
         Patch("zero12_master_shared", "memory", _check_zero12_master_shared),
@@ -511,9 +526,9 @@ PATCHES: dict[str, Patch] = {
         Patch("single_rank_no_allreduce", "speed", _check_single_rank_no_allreduce),
         Patch("zero0_fp16_loss_scale", "correctness", _check_zero0_fp16_loss_scale),
         Patch("zero0_fp16_masters", "correctness", _check_zero0_fp16_masters),
-        Patch("fp16_skipped_steps", "correctness", _check_fp16_skipped_steps),
-        Patch("checkpoint_files", "correctness", _check_checkpoint_files),
-        Patch("checkpoint_writes", "correctness", _check_checkpoint_writes),
+        Patch("fp16_skipped_steps", "correctness", _check_fp16_skipped_steps, stops_unchecked=False),
+        Patch("checkpoint_files", "correctness", _check_checkpoint_files, stops_unchecked=False),
+        Patch("checkpoint_writes", "correctness", _check_checkpoint_writes, stops_unchecked=False),
     )
 }
 
@@ -525,11 +540,19 @@ SETTINGS = {
 }
 """The engine setting (`engine.<name>` in a recipe) that turns each memory and speed patch on."""
 
-CORRECTNESS = tuple(name for name, patch in PATCHES.items() if patch.kind == "correctness")
+
+def needed(zero_stage: int, precision: str) -> tuple[str, ...]:
+    """The correctness patches a run at `zero_stage` in `precision` relies on."""
+    names = ["checkpoint_files", "checkpoint_writes"]
+    if zero_stage == 3:
+        names += ["zero3_param_attributes", "zero_init_apply"]
+    if precision == "fp16":
+        names += ["zero0_fp16_loss_scale", "zero0_fp16_masters", "fp16_skipped_steps"]
+    return tuple(names)
 
 
 def check(*names: str) -> None:
-    """Run the checks of the named patches (default: the correctness patches, which every run applies); raises
-    DeepSpeedCompatError at the first that fails."""
-    for name in names or CORRECTNESS:
+    """Run the checks of the named patches (default: every correctness patch); raises DeepSpeedCompatError at the
+    first that fails."""
+    for name in names or (name for name, patch in PATCHES.items() if patch.kind == "correctness"):
         PATCHES[name].check()

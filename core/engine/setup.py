@@ -250,7 +250,7 @@ def parallelize(
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    ds_compat.check()  # the correctness patches: an unchecked DeepSpeed release, or a changed internal, stops here
+    ds_compat.check(*ds_compat.needed(cfg.engine.zero_stage, cfg.engine.precision))  # a changed internal stops here
     timm_compat.check()  # likewise timm's (data/wds_compat.py checks webdataset's when the pipeline is imported)
     if cfg.engine.precision == "fp16" and not get_accelerator().is_fp16_supported():
         raise ValueError(
