@@ -80,14 +80,14 @@ class Patch:
     (False) warn once and apply it when its check passes: correctness patches whose change would show loudly."""
 
     def check(self) -> None:
-        if not DEEPSPEED.is_checked():
-            if self.stops_unchecked:
-                DEEPSPEED.check_version(self.name)
-            self.verify(self.name)
-            version, series = DEEPSPEED.version(), WRITTEN_FOR
-            _warn_once(self.name, f"DeepSpeed patch {self.name!r} was checked on {series}.x, not deepspeed {version}.")
-            return
+        checked = DEEPSPEED.is_checked()
+        if not checked and self.stops_unchecked:
+            DEEPSPEED.check_version(self.name)
         self.verify(self.name)
+        if not checked:
+            version = DEEPSPEED.version()
+            why = f"checked on DeepSpeed {WRITTEN_FOR}.x, not deepspeed {version}; its check passed, so it is applied"
+            _warn_once(self.name, f"DeepSpeed patch {self.name!r} was {why}.")
 
 
 _warned: set[str] = set()
