@@ -31,13 +31,17 @@ RESULTS = REPO / "benchmarks" / "results" / "memory.md"
 TCMALLOC = Path(f"/usr/lib/{platform.machine()}-linux-gnu/libtcmalloc_minimal.so.4")
 NEVER = 10**9  # logging / checkpoint period that never comes round
 ACTIVATION_CHECKPOINTING = "engine.activation_checkpointing=true"
-# (label, overrides, images per rank or None for --per-rank): the ZeRO stages, then activation checkpointing at a
-# batch where activations weigh.
+SHARE_ZERO12 = "engine.share_zero12_masters=true"
+SHARE_ZERO3 = "engine.share_zero3_masters=true"
+# (label, overrides, images per rank or None for --per-rank): the ZeRO stages, each memory patch beside the stage
+# without it (docs/deepspeed_patches.md), then activation checkpointing at a batch where activations weigh.
 CASES = [
     ("ZeRO-0", ["engine.zero_stage=0"], None),
     ("ZeRO-1", ["engine.zero_stage=1"], None),
     ("ZeRO-2", ["engine.zero_stage=2"], None),
+    ("ZeRO-2 + `share_zero12_masters`", ["engine.zero_stage=2", SHARE_ZERO12], None),
     ("ZeRO-3", ["engine.zero_stage=3"], None),
+    ("ZeRO-3 + `share_zero3_masters`", ["engine.zero_stage=3", SHARE_ZERO3], None),
     ("ZeRO-3, 8 images per rank", ["engine.zero_stage=3"], 8),
     ("ZeRO-3 + activation checkpointing, 8 images per rank", ["engine.zero_stage=3", ACTIVATION_CHECKPOINTING], 8),
 ]

@@ -175,6 +175,15 @@ ZERO3_COMPILE_REASON = (
 )
 
 
+_PATCH_STAGES = {
+    "share_zero3_masters": (3,),
+    "share_zero12_masters": (1, 2),
+    "skip_identity_grad_passes": (3,),
+    "skip_single_rank_allreduce": (0,),
+}
+"""The ZeRO stages at which each optional DeepSpeed patch's engine setting applies."""
+
+
 class EngineConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 1
     """DeepSpeed ZeRO stage: 0 replicates everything (plain data parallel); 1 partitions the optimizer state over the
@@ -237,6 +246,30 @@ class EngineConfig(Section):
     perf/images_per_sec and perf/mfu). ZeRO 0-2. Off by default: on 2 CPU cores the quickstart's steps gained at most
     9% and the compile cost more than that saves (core/engine/compiled.py, docs/speed.md)."""
 
+    # Optional DeepSpeed patches (docs/deepspeed_patches.md): off by default, since what they save at the recipes'
+    # scale is small, and each is skipped with a warning on a DeepSpeed release it was not checked against.
+    share_zero3_masters: bool = Field(
+        False,
+        description="ZeRO-3, memory: step the fp32 parameter partitions themselves instead of DeepSpeed's second fp32 "
+        "copy (ds_compat patch fp32_master_shared; 4 bytes per parameter per rank; not with offload_optimizer).",
+    )
+    share_zero12_masters: bool = Field(
+        False,
+        description="ZeRO-1/2, memory: step each rank's partition of the fp32 parameters itself instead of DeepSpeed's "
+        "fp32 master copy, freed after it is built (ds_compat patch zero12_master_shared; 4 bytes per parameter per "
+        "rank and a copy per step; fp32 and bf16 without offload_optimizer).",
+    )
+    skip_identity_grad_passes: bool = Field(
+        False,
+        description="ZeRO-3, speed: drop DeepSpeed's global gradient norm and unscale from the step when they change "
+        "nothing (optim.grad_clip 0, no fp16 loss scaling) (ds_compat patch skip_identity_grad_passes).",
+    )
+    skip_single_rank_allreduce: bool = Field(
+        False,
+        description="ZeRO-0, speed: on a run of one rank, drop the gradient all-reduce of the backward pass, an "
+        "identity there (ds_compat patch single_rank_no_allreduce).",
+    )
+
     @model_validator(mode="after")
     def _check_offload(self) -> EngineConfig:
         if self.compile and self.zero_stage == 3:
@@ -245,6 +278,9 @@ class EngineConfig(Section):
             raise ValueError("engine.offload_optimizer needs engine.zero_stage 1, 2 or 3")
         if self.offload_param != "none" and self.zero_stage != 3:
             raise ValueError("engine.offload_param needs engine.zero_stage 3")
+        for name, stages in _PATCH_STAGES.items():
+            if getattr(self, name) and self.zero_stage not in stages:
+                raise ValueError(f"engine.{name} needs engine.zero_stage {' or '.join(map(str, stages))}")
         return self
 
 

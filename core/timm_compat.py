@@ -21,7 +21,7 @@ import importlib.util
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import timm
 import timm.models
@@ -30,8 +30,10 @@ from PIL import Image
 from timm.data import auto_augment
 from torch import nn
 
-WRITTEN_FOR = "1.0.31"
-"""The timm release the patches were written against."""
+from core.compat.checks import CompatError, Library, run_checks
+
+WRITTEN_FOR = "1.0"
+"""The timm release series the patches were written against (checked on 1.0.31; pyproject's pin covers exactly it)."""
 
 HF_WEIGHTS_NAME = "model.safetensors"
 """The weights file `save_for_hf` writes with safe serialization, which `timm.create_model('local-dir:...')` reads."""
@@ -41,27 +43,16 @@ _PROBE_HPARAMS = {"translate_const": 10, "img_mean": (124, 116, 104), "translate
 _PROBE_POLICIES = ("rand-m9-mstd0.5-inc1", "v0", "augmix-m5-w4-d2")
 
 
-class TimmCompatError(RuntimeError):
+class TimmCompatError(CompatError):
     """The installed timm no longer has an internal that a patch in this module relies on."""
+
+
+TIMM = Library("timm", "timm", __name__, WRITTEN_FOR, "timm>=1.0.20,<1.1", TimmCompatError)
 
 
 def check(*names: str) -> None:
     """Run the checks of the named patches (default: all); raises TimmCompatError at the first that fails."""
-    for name in names or PATCHES:
-        PATCHES[name](name)
-
-
-def _fail(patch: str, problem: str) -> NoReturn:
-    raise TimmCompatError(
-        f"timm patch {patch!r} (core/timm_compat.py): {problem}, in the installed timm {timm.__version__}. "
-        f"The patch was written for timm {WRITTEN_FOR}: adapt it to this release."
-    )
-
-
-def _attr(patch: str, owner, name: str):
-    if not hasattr(owner, name):
-        _fail(patch, f"{owner.__name__}.{name} is missing")
-    return getattr(owner, name)
+    run_checks(PATCHES, names)
 
 
 # posterize_min_bits
@@ -91,31 +82,31 @@ def _posterize_at_least_1_bit(img: Image.Image, bits_to_keep: int, **kwargs) -> 
 
 def _policy(patch: str, spec: str) -> Callable:
     builders = {"rand": "rand_augment_transform", "augmix": "augment_and_mix_transform"}
-    build = _attr(patch, auto_augment, builders.get(spec.split("-")[0], "auto_augment_transform"))
+    build = TIMM.attr(patch, auto_augment, builders.get(spec.split("-")[0], "auto_augment_transform"))
     return build(spec, dict(_PROBE_HPARAMS))
 
 
 def _check_posterize_min_bits(patch: str) -> None:
-    _attr(patch, auto_augment, "posterize")
-    op_class = _attr(patch, auto_augment, "AugmentOp")
+    TIMM.attr(patch, auto_augment, "posterize")
+    op_class = TIMM.attr(patch, auto_augment, "AugmentOp")
     for spec in _PROBE_POLICIES:
         try:
             names = [getattr(op, "name", None) for op in policy_ops(_policy(patch, spec))]
         except TimmCompatError:
             raise
         except Exception as err:  # noqa: BLE001 - any failure means the policy builders changed
-            _fail(patch, f"building policy {spec!r} failed ({err!r})")
+            TIMM.fail(patch, f"building policy {spec!r} failed ({err!r})")
         if not any(str(name).startswith("Posterize") for name in names):
-            _fail(patch, f"no Posterize op is found in policy {spec!r} (its ops: {names})")
+            TIMM.fail(patch, f"no Posterize op is found in policy {spec!r} (its ops: {names})")
     asked = []
     op = op_class("PosterizeIncreasing", prob=1.0, magnitude=10)
     op.aug_fn = lambda img, *args, **kwargs: asked.append(args) or img
     try:
         op(Image.new("RGB", (2, 2)))
     except Exception as err:  # noqa: BLE001 - the replaced aug_fn cannot fail
-        _fail(patch, f"an AugmentOp whose aug_fn is replaced failed ({err!r})")
+        TIMM.fail(patch, f"an AugmentOp whose aug_fn is replaced failed ({err!r})")
     if len(asked) != 1:
-        _fail(patch, "AugmentOp no longer calls the aug_fn assigned to it")
+        TIMM.fail(patch, "AugmentOp no longer calls the aug_fn assigned to it")
 
 
 # save_for_hf
@@ -137,7 +128,7 @@ def save_for_hf(
     twin = _twin(model, tensors)
     timm.models.save_for_hf(twin, directory, model_config=model_config, model_args=model_args, safe_serialization=True)
     if not (Path(directory) / HF_WEIGHTS_NAME).is_file():
-        _fail("save_for_hf", f"save_for_hf(safe_serialization=True) did not write {HF_WEIGHTS_NAME}")
+        TIMM.fail("save_for_hf", f"save_for_hf(safe_serialization=True) did not write {HF_WEIGHTS_NAME}")
 
 
 def _twin(model: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
@@ -156,14 +147,14 @@ def _twin(model: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
 
 def _check_save_for_hf(patch: str) -> None:
     if importlib.util.find_spec("huggingface_hub") is None:
-        _fail(patch, "huggingface_hub, which save_for_hf asserts is installed, cannot be imported")
-    fn = inspect.unwrap(_attr(patch, timm.models, "save_for_hf"))
+        TIMM.fail(patch, "huggingface_hub, which save_for_hf asserts is installed, cannot be imported")
+    fn = inspect.unwrap(TIMM.attr(patch, timm.models, "save_for_hf"))
     params = tuple(inspect.signature(fn).parameters)
     missing = [p for p in _SAVE_FOR_HF_PARAMS if p not in params]
     if missing:
-        _fail(patch, f"timm.models.save_for_hf takes ({', '.join(params)}), without {', '.join(missing)}")
+        TIMM.fail(patch, f"timm.models.save_for_hf takes ({', '.join(params)}), without {', '.join(missing)}")
     if "state_dict" not in fn.__code__.co_names:
-        _fail(patch, "timm.models.save_for_hf no longer writes model.state_dict(), which the twin model replaces")
+        TIMM.fail(patch, "timm.models.save_for_hf no longer writes model.state_dict(), which the twin model replaces")
 
 
 PATCHES: dict[str, Callable[[str], None]] = {

@@ -26,12 +26,13 @@ import subprocess
 import tarfile
 from collections.abc import Callable, Iterator, MutableMapping
 from types import SimpleNamespace
-from typing import Any, NoReturn
+from typing import Any
 
-import webdataset as wds
+from core.compat.checks import CompatError, Library, code_words, run_checks
 
 WRITTEN_FOR = "1.0"
-"""The webdataset release the patches were written against (1.0.2)."""
+"""The webdataset release series the patches were written against (checked on 1.0.2; pyproject's pin covers exactly
+it)."""
 
 FSSPEC_SCHEMES = ("s3", "s3a", "az", "abfs", "gcs", "memory")
 """Object stores reached through fsspec (s3fs, adlfs, gcsfs installed separately); `memory://` serves tests."""
@@ -49,8 +50,11 @@ _PROBE_SCHEME = "mimpipe-wds-check"
 _PROBE_STATUS = 22
 
 
-class WebDatasetCompatError(RuntimeError):
+class WebDatasetCompatError(CompatError):
     """The installed webdataset no longer has an internal that a patch in this module relies on."""
+
+
+WEBDATASET = Library("webdataset", "webdataset", __name__, WRITTEN_FOR, "webdataset>=1.0,<1.1", WebDatasetCompatError)
 
 
 class MissingFilesystemError(RuntimeError):
@@ -127,29 +131,11 @@ def install() -> None:
 
 def check(*names: str) -> None:
     """Run the checks of the named patches (default: all); raises WebDatasetCompatError at the first that fails."""
-    for name in names or PATCHES:
-        PATCHES[name](name)
-
-
-# Checking helpers. Each takes the patch's name, for the error.
-
-
-def _fail(patch: str, problem: str) -> NoReturn:
-    version = getattr(wds, "__version__", "(unknown)")
-    raise WebDatasetCompatError(
-        f"webdataset patch {patch!r} (data/wds_compat.py): {problem}, in the installed webdataset {version}. "
-        f"The patch was written for webdataset {WRITTEN_FOR}: adapt it to this release."
-    )
+    run_checks(PATCHES, names)
 
 
 def _gopen():
     return importlib.import_module("webdataset.gopen")
-
-
-def _attr(patch: str, owner, name: str):
-    if not hasattr(owner, name):
-        _fail(patch, f"{owner.__name__}.{name} is missing")
-    return getattr(owner, name)
 
 
 def _tar(files: dict[str, bytes]) -> bytes:
@@ -166,9 +152,9 @@ def _tar(files: dict[str, bytes]) -> bytes:
 def _read_probe(patch: str, open_stream: Callable[[], Any]) -> list[dict[str, Any]]:
     """The samples `open_shard` and `tar_samples` (what the pipeline reads shards with) read from a URL of a scheme
     registered in gopen_schemes whose handler returns `open_stream()`; the scheme is removed again after."""
-    schemes = _attr(patch, _gopen(), "gopen_schemes")
+    schemes = WEBDATASET.attr(patch, _gopen(), "gopen_schemes")
     if not isinstance(schemes, MutableMapping):
-        _fail(patch, f"webdataset.gopen.gopen_schemes is a {type(schemes).__name__}, no longer a dict")
+        WEBDATASET.fail(patch, f"webdataset.gopen.gopen_schemes is a {type(schemes).__name__}, no longer a dict")
     schemes[_PROBE_SCHEME] = lambda url, mode="rb", bufsize=8192, **kw: open_stream()
     url = f"{_PROBE_SCHEME}://shard.tar"
     try:
@@ -177,22 +163,15 @@ def _read_probe(patch: str, open_stream: Callable[[], Any]) -> list[dict[str, An
         del schemes[_PROBE_SCHEME]
 
 
-def _string_constants(fn: Callable) -> set[str]:
-    """The string constants in `fn`'s code, those in tuples (a list literal of strings) included."""
-    consts = list(getattr(getattr(fn, "__code__", None), "co_consts", ()))
-    consts += [c for const in consts if isinstance(const, tuple) for c in const]
-    return {c for c in consts if isinstance(c, str)}
-
-
 def _check_gopen_schemes(patch: str) -> None:
     try:
         samples = _read_probe(patch, lambda: io.BytesIO(_tar({"probe.txt": b"ok"})))
     except WebDatasetCompatError:
         raise
     except Exception as err:  # noqa: BLE001 - any failure means the lookup changed
-        _fail(patch, f"a shard URL of a scheme registered in gopen_schemes does not open ({err!r})")
+        WEBDATASET.fail(patch, f"a shard URL of a scheme registered in gopen_schemes does not open ({err!r})")
     if [s.get("txt") for s in samples] != [b"ok"]:
-        _fail(patch, f"a shard URL of a scheme registered in gopen_schemes reads as {samples!r}")
+        WEBDATASET.fail(patch, f"a shard URL of a scheme registered in gopen_schemes reads as {samples!r}")
 
 
 class _ExitedCurl:
@@ -208,10 +187,10 @@ class _ExitedCurl:
 def _check_curl_errors(patch: str) -> None:
     gopen = _gopen()
     for scheme in ("http", "https"):
-        handler = _attr(patch, gopen, "gopen_schemes").get(scheme)
-        if not {"curl", "-f"} <= _string_constants(handler):
-            _fail(patch, f"{scheme}:// shards are no longer fetched with `curl -f` ({handler!r})")
-    pipe_class = _attr(patch, gopen, "Pipe")
+        handler = WEBDATASET.attr(patch, gopen, "gopen_schemes").get(scheme)
+        if not {"curl", "-f"} <= code_words(handler)[1]:
+            WEBDATASET.fail(patch, f"{scheme}:// shards are no longer fetched with `curl -f` ({handler!r})")
+    pipe_class = WEBDATASET.attr(patch, gopen, "Pipe")
 
     def exited_pipe():  # a real process named curl (/bin/sh), which has exited when the reader starts
         pipe = pipe_class(["curl", "-c", f"exit {_PROBE_STATUS}"], mode="rb", executable="/bin/sh")
@@ -230,22 +209,24 @@ def _check_curl_errors(patch: str) -> None:
         except Exception as err:  # noqa: BLE001 - the error is what is checked
             reason = why_unreadable(err)
         if not reason.endswith(f"(curl exit {_PROBE_STATUS})"):
-            _fail(patch, f"curl exiting with {_PROBE_STATUS} through {what} is reported as {reason!r}")
+            WEBDATASET.fail(patch, f"curl exiting with {_PROBE_STATUS} through {what} is reported as {reason!r}")
 
 
 def _check_open_streams(patch: str) -> None:
     tariterators = importlib.import_module("webdataset.tariterators")
     for name in ("tar_file_expander", "group_by_keys"):
-        _attr(patch, tariterators, name)
+        WEBDATASET.attr(patch, tariterators, name)
     files = {"a.jpg": b"1", "a.cls": b"2", "b.jpg": b"3"}
     try:
         samples = list(tar_samples("probe.tar", io.BytesIO(_tar(files))))
     except Exception as err:  # noqa: BLE001 - any failure means the functions changed
-        _fail(patch, f"an opened tar stream does not read through tar_file_expander and group_by_keys ({err!r})")
+        WEBDATASET.fail(
+            patch, f"an opened tar stream does not read through tar_file_expander and group_by_keys ({err!r})"
+        )
     expected = [{"__key__": "a", "__url__": "probe.tar", "jpg": b"1", "cls": b"2"}]
     expected.append({"__key__": "b", "__url__": "probe.tar", "jpg": b"3"})
     if samples != expected:
-        _fail(patch, f"a tar stream read through tar_file_expander and group_by_keys gives {samples!r}")
+        WEBDATASET.fail(patch, f"a tar stream read through tar_file_expander and group_by_keys gives {samples!r}")
 
 
 PATCHES: dict[str, Callable[[str], None]] = {

@@ -1,12 +1,21 @@
-"""Every place the engine relies on DeepSpeed internals, each a named `Patch` whose `check()` runs at launch.
+"""Every place the engine relies on DeepSpeed internals, each a named `Patch` with a `check()` and a class.
 
 The engine patches or reads DeepSpeed (written against 0.19) where its public API does not reach: private methods of
 the ZeRO-3 optimizer, attributes ZeRO-3 adds to parameters, the fp16 optimizers' groups, checkpoint file names and
 the universal-checkpoint converter's command line. A release that renamed or reshaped one of them would make a patch
-silently do nothing (say, an assignment to a method that no longer exists) or fail deep inside a run. So
-`parallelize` calls `check()` first: it verifies that each internal below has the shape the code here expects (the
-attribute exists, is callable, takes the parameters it is called with, reads the names it is patched around) and
-otherwise stops the launch with a `DeepSpeedCompatError` naming the patch, what changed and `deepspeed.__version__`.
+silently do nothing (say, an assignment to a method that no longer exists) or fail deep inside a run, so each
+patch's check verifies that its internals have the shape the code here expects (the attribute exists, is callable,
+takes the parameters it is called with, reads the names it is patched around) on a release it was checked against.
+
+Patches come in three classes (docs/deepspeed_patches.md says what each replaces and why):
+- correctness (work-arounds for DeepSpeed bugs, and the internals the engine reads): always on. `parallelize` runs
+  the checks of those the run needs (`needed`) first; a changed internal stops the launch with one line naming the
+  patch, what changed, the installed version and the pin, since a run without the patch would train or save
+  wrongly. On a release they were not checked against, those whose change would be silent (`stops_unchecked`: the
+  ZeRO-3 initialisation and the fp16 loss scale and masters) stop the launch the same way; the others warn once and
+  are applied when their check passes, since a change in what they rely on would show at once.
+- memory and speed: applied only when their engine setting asks (`SETTINGS`), and only through `applies()`, which
+  on an unchecked release or a failed check warns once and skips the patch: the run is the same without them.
 
 Patches (`PATCHES`, by name):
     zero3_param_attributes     ZeRO-3 parameters' ds_id / ds_tensor / ds_numel / ds_shape / ds_status
@@ -28,122 +37,95 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import importlib
-import inspect
+import logging
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import NoReturn
+from typing import Literal
 
 import torch
 from torch import nn
 
+from core.compat.checks import CompatError, Library, code_words
+
+log = logging.getLogger(__name__)
+
 WRITTEN_FOR = "0.19"
-"""The DeepSpeed release the patches were written and measured against (pyproject pins deepspeed>=0.19,<0.20)."""
+"""The DeepSpeed release series the patches were written and checked against (pyproject's pin covers exactly it)."""
 
 
-class DeepSpeedCompatError(RuntimeError):
+class DeepSpeedCompatError(CompatError):
     """The installed DeepSpeed no longer has an internal that a patch in this module relies on."""
+
+
+DEEPSPEED = Library("DeepSpeed", "deepspeed", __name__, WRITTEN_FOR, "deepspeed>=0.19,<0.20", DeepSpeedCompatError)
+
+PatchClass = Literal["correctness", "memory", "speed"]
 
 
 @dataclass(frozen=True)
 class Patch:
-    """One reliance on DeepSpeed internals: `check()` raises DeepSpeedCompatError when the internal has changed."""
+    """One reliance on DeepSpeed internals: `check()` raises DeepSpeedCompatError when the internal has changed, or
+    when the installed release is not one it was checked against and the patch cannot be trusted there."""
 
     name: str
+    kind: PatchClass
     verify: Callable[[str], None]
     """Checks the internals the patch relies on; called with the patch's name, for the error."""
+    stops_unchecked: bool = True
+    """On a release it was not checked against: stop (memory and speed patches are then skipped by `applies`), or
+    (False) warn once and apply it when its check passes: correctness patches whose change would show loudly."""
 
     def check(self) -> None:
+        checked = DEEPSPEED.is_checked()
+        if not checked and self.stops_unchecked:
+            DEEPSPEED.check_version(self.name)
         self.verify(self.name)
+        if not checked:
+            version = DEEPSPEED.version()
+            why = f"checked on DeepSpeed {WRITTEN_FOR}.x, not deepspeed {version}; its check passed, so it is applied"
+            _warn_once(self.name, f"DeepSpeed patch {self.name!r} was {why}.")
 
 
-# Checking helpers. Each takes the patch's name, for the error.
+_warned: set[str] = set()
+"""The patches already warned about in this process."""
 
 
-def _fail(patch: str, problem: str) -> NoReturn:
-    version = getattr(sys.modules.get("deepspeed"), "__version__", "(not imported)")
-    raise DeepSpeedCompatError(
-        f"DeepSpeed patch {patch!r} (core/engine/ds_compat.py): {problem}, in the installed deepspeed {version}. "
-        f"The patch was written for DeepSpeed {WRITTEN_FOR}: adapt it to this release, or install "
-        f"deepspeed>={WRITTEN_FOR},<0.20."
-    )
+def _warn_once(name: str, message: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        log.warning("%s", message)
 
 
-def _module(patch: str, name: str):
+def _skip(name: str, why: str) -> bool:
+    """Warn, once per process and in one line, that the optional patch `name` is skipped and why; False."""
+    _warn_once(name, f"{why} Skipped: the run goes on without it (engine.{SETTINGS[name]}).")
+    return False
+
+
+def applies(name: str) -> bool:
+    """Whether the memory or speed patch `name`, which its engine setting asked for, can be applied: its check
+    passes on a release it was checked against. Otherwise it is skipped with a warning (once per process), since the
+    run is the same without it."""
+    assert PATCHES[name].kind != "correctness", f"{name} is always applied"
     try:
-        return importlib.import_module(name)
-    except ImportError as err:
-        _fail(patch, f"module {name} cannot be imported ({err})")
-
-
-def _attr(patch: str, owner, name: str):
-    if not hasattr(owner, name):
-        _fail(patch, f"{getattr(owner, '__name__', owner)}.{name} is missing")
-    return getattr(owner, name)
-
-
-def _unwrapped(fn: Callable) -> Callable:
-    """The function under its decorators, with or without functools.wraps: DeepSpeed's `instrument_w_nvtx` returns a
-    `(*args, **kwargs)` wrapper that holds the function only in its closure."""
-    fn = inspect.unwrap(fn)
-    while inspect.isfunction(fn) and fn.__closure__ and fn.__code__.co_flags & inspect.CO_VARARGS:
-        inner = [cell.cell_contents for cell in fn.__closure__ if inspect.isfunction(cell.cell_contents)]
-        if len(inner) != 1:
-            break
-        fn = inspect.unwrap(inner[0])
-    return fn
-
-
-def _code_words(fn: Callable) -> tuple[set[str], set[str]]:
-    """(names, strings) that `fn`'s code and the functions nested in it mention: attributes and globals it reads or
-    assigns, and its string constants (dictionary keys, command-line flags)."""
-    names, strings, codes = set(), set(), [fn.__code__]
-    while codes:
-        code = codes.pop()
-        names.update(code.co_names)
-        consts = list(code.co_consts)
-        consts += [c for const in code.co_consts if isinstance(const, tuple) for c in const]  # keyword names
-        strings.update(c for c in consts if isinstance(c, str))
-        codes.extend(c for c in consts if inspect.iscode(c))
-    return names, strings
-
-
-def _method(
-    patch: str,
-    owner,
-    name: str,
-    *,
-    params: tuple[str, ...] | None = None,
-    uses: Iterable[str] = (),
-    strings: Iterable[str] = (),
-) -> Callable:
-    """`owner.name`, unwrapped, after checking that it is a function with exactly `params` (when given) whose code
-    mentions every name in `uses` and every string constant in `strings`."""
-    fn = _attr(patch, owner, name)
-    where = f"{getattr(owner, '__name__', owner)}.{name}"
-    if not callable(fn) or not inspect.isfunction(inner := _unwrapped(fn)):
-        _fail(patch, f"{where} is no longer a Python function")
-    if params is not None and tuple(inspect.signature(inner).parameters) != params:
-        found = ", ".join(inspect.signature(inner).parameters)
-        _fail(patch, f"{where} now takes ({found}), where the patch expects ({', '.join(params)})")
-    names, consts = _code_words(inner)
-    for expected, seen, what in ((uses, names, "uses"), (strings, consts, "has the string")):
-        missing = sorted(set(expected) - seen)
-        if missing:
-            _fail(patch, f"{where} no longer {what} {', '.join(missing)}")
-    return inner
+        PATCHES[name].check()
+    except DeepSpeedCompatError as err:
+        return _skip(name, str(err))
+    return True
 
 
 def _stage3(patch: str) -> type:
-    return _attr(patch, _module(patch, "deepspeed.runtime.zero.stage3"), "DeepSpeedZeroOptimizer_Stage3")
+    return DEEPSPEED.attr(
+        patch, DEEPSPEED.module_named(patch, "deepspeed.runtime.zero.stage3"), "DeepSpeedZeroOptimizer_Stage3"
+    )
 
 
 def _engine_class(patch: str) -> type:
-    return _attr(patch, _module(patch, "deepspeed.runtime.engine"), "DeepSpeedEngine")
+    return DEEPSPEED.attr(patch, DEEPSPEED.module_named(patch, "deepspeed.runtime.engine"), "DeepSpeedEngine")
 
 
 # zero3_param_attributes: what ZeRO-3 adds to each parameter it converts.
@@ -182,10 +164,10 @@ def is_released(param: torch.Tensor) -> bool:
 
 
 def _check_zero3_param_attributes(patch: str) -> None:
-    partitioning = _module(patch, "deepspeed.runtime.zero.partition_parameters")
+    partitioning = DEEPSPEED.module_named(patch, "deepspeed.runtime.zero.partition_parameters")
     attributes = ("ds_id", "ds_tensor", "ds_numel", "ds_shape", "ds_status")
-    _method(patch, _attr(patch, partitioning, "Init"), "_convert_to_deepspeed_param", uses=attributes)
-    _attr(patch, _attr(patch, partitioning, "ZeroParamStatus"), "NOT_AVAILABLE")
+    DEEPSPEED.method(patch, DEEPSPEED.attr(patch, partitioning, "Init"), "_convert_to_deepspeed_param", uses=attributes)
+    DEEPSPEED.attr(patch, DEEPSPEED.attr(patch, partitioning, "ZeroParamStatus"), "NOT_AVAILABLE")
 
 
 # zero_init_apply: objectives initialise their weights module by module through `Module.apply`; inside
@@ -194,13 +176,17 @@ def _check_zero3_param_attributes(patch: str) -> None:
 
 
 def _check_zero_init_apply(patch: str) -> None:
-    partitioning = _module(patch, "deepspeed.runtime.zero.partition_parameters")
-    _attr(patch, _attr(patch, partitioning, "Init"), "override_module_apply")
-    zero_config = _attr(patch, _module(patch, "deepspeed.runtime.zero.config"), "DeepSpeedZeroConfig")
+    partitioning = DEEPSPEED.module_named(patch, "deepspeed.runtime.zero.partition_parameters")
+    DEEPSPEED.attr(patch, DEEPSPEED.attr(patch, partitioning, "Init"), "override_module_apply")
+    zero_config = DEEPSPEED.attr(
+        patch, DEEPSPEED.module_named(patch, "deepspeed.runtime.zero.config"), "DeepSpeedZeroConfig"
+    )
     if "override_module_apply" not in zero_config.model_fields:
-        _fail(patch, "the ZeRO config has no override_module_apply key")
-    context = _attr(patch, partitioning, "InsertPostInitMethodToModuleSubClasses")
-    _method(patch, context, "patch_init_and_builtins", uses=("override_module_apply", "all_gather", "partition"))
+        DEEPSPEED.fail(patch, "the ZeRO config has no override_module_apply key")
+    context = DEEPSPEED.attr(patch, partitioning, "InsertPostInitMethodToModuleSubClasses")
+    DEEPSPEED.method(
+        patch, context, "patch_init_and_builtins", uses=("override_module_apply", "all_gather", "partition")
+    )
 
 
 # fp32_master_shared
@@ -236,7 +222,7 @@ def fp32_master_shared():
 
 def _check_fp32_master_shared(patch: str) -> None:
     groups = ("device", "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat")
-    _method(patch, _stage3(patch), "_create_fp32_partitions", params=("self",), uses=groups)
+    DEEPSPEED.method(patch, _stage3(patch), "_create_fp32_partitions", params=("self",), uses=groups)
 
 
 # zero12_master_shared
@@ -256,7 +242,8 @@ def share_zero12_masters(zero) -> bool:
     itself, which torch skips. Checkpoints are unchanged: the same values are saved under the same keys.
 
     Returns:
-        Whether the masters are now shared: not with CPU offload or fp16 weights, which need a master copy.
+        Whether the masters are now shared: not with CPU offload or fp16 weights, which need a master copy, nor
+        when DeepSpeed's masters are not what the patch expects (then it warns once and changes nothing).
     """
     if zero.cpu_offload or any(g.dtype != torch.float32 for g in zero.bit16_groups_flat):
         return False
@@ -266,7 +253,8 @@ def share_zero12_masters(zero) -> bool:
     owns = [partitions[rank] for partitions, rank in zip(zero.parallel_partitioned_bit16_groups, ranks, strict=True)]
     for own, master in zip(owns, zero.single_partition_of_fp32_groups, strict=True):
         if master.device != own.device or zero.optimizer.state.get(master) or not torch.equal(master, own):
-            _fail("zero12_master_shared", "a master partition is not an unstepped copy of the parameters' partition")
+            why = "a master partition is not an unstepped copy of the parameters' partition"
+            return _skip("zero12_master_shared", f"DeepSpeed patch 'zero12_master_shared': {why}.")
     for i, (group, own) in enumerate(zip(zero.optimizer.param_groups, owns, strict=True)):
         shared = own.detach()
         shared.requires_grad = True
@@ -278,13 +266,17 @@ def share_zero12_masters(zero) -> bool:
 
 
 def _check_zero12_master_shared(patch: str) -> None:
-    zero = _attr(patch, _module(patch, "deepspeed.runtime.zero.stage_1_and_2"), "DeepSpeedZeroOptimizer")
+    zero = DEEPSPEED.attr(
+        patch, DEEPSPEED.module_named(patch, "deepspeed.runtime.zero.stage_1_and_2"), "DeepSpeedZeroOptimizer"
+    )
     lists = ("single_partition_of_fp32_groups", "parallel_partitioned_bit16_groups", "bit16_groups_flat")
-    _method(patch, zero, "__init__", uses=(*lists, "cpu_offload", "real_dp_process_group", "_param_slice_mappings"))
+    DEEPSPEED.method(
+        patch, zero, "__init__", uses=(*lists, "cpu_offload", "real_dp_process_group", "_param_slice_mappings")
+    )
     # the step copies the master back into the parameters, and the links are rebuilt from DeepSpeed's list
-    _method(patch, zero, "step", uses=lists[:2])
-    _method(patch, zero, "_link_all_hp_params", params=("self",), uses=(lists[0],))
-    _method(patch, zero, "_create_param_mapping", params=("self",))
+    DEEPSPEED.method(patch, zero, "step", uses=lists[:2])
+    DEEPSPEED.method(patch, zero, "_link_all_hp_params", params=("self",), uses=(lists[0],))
+    DEEPSPEED.method(patch, zero, "_create_param_mapping", params=("self",))
 
 
 # skip_identity_grad_passes
@@ -319,11 +311,15 @@ def skip_identity_grad_passes(zero3) -> bool:
 def _check_skip_identity_grad_passes(patch: str) -> None:
     stage3 = _stage3(patch)
     # `step` must look both up on the instance, and combine the norm groups the replacement returns.
-    _method(patch, stage3, "step", uses=("_get_norm_groups", "combine_grad_norm_groups", "unscale_and_clip_grads"))
-    _method(patch, stage3, "_get_norm_groups", params=("self",))
-    _method(patch, stage3, "unscale_and_clip_grads", params=("self", "sub_group_id", "total_norm"))
-    _method(patch, stage3, "__init__", uses=("clip_grad", "dynamic_loss_scale", "fp32_partitioned_groups_flat"))
-    _attr(patch, stage3, "loss_scale")
+    DEEPSPEED.method(
+        patch, stage3, "step", uses=("_get_norm_groups", "combine_grad_norm_groups", "unscale_and_clip_grads")
+    )
+    DEEPSPEED.method(patch, stage3, "_get_norm_groups", params=("self",))
+    DEEPSPEED.method(patch, stage3, "unscale_and_clip_grads", params=("self", "sub_group_id", "total_norm"))
+    DEEPSPEED.method(
+        patch, stage3, "__init__", uses=("clip_grad", "dynamic_loss_scale", "fp32_partitioned_groups_flat")
+    )
+    DEEPSPEED.attr(patch, stage3, "loss_scale")
 
 
 # single_rank_no_allreduce
@@ -350,10 +346,10 @@ def skip_single_rank_allreduce(engine) -> bool:
 def _check_single_rank_no_allreduce(patch: str) -> None:
     engine = _engine_class(patch)
     # The flag must be the one test in front of the reduction, after backward and at a manual accumulation boundary.
-    _method(patch, engine, "_backward_epilogue", uses=("enable_backward_allreduce", "allreduce_gradients"))
-    _method(patch, engine, "step", uses=("enable_backward_allreduce", "allreduce_gradients"))
-    _method(patch, engine, "__init__", uses=("enable_backward_allreduce",))
-    _method(patch, engine, "_configure_distributed_model", uses=("dp_world_size",))
+    DEEPSPEED.method(patch, engine, "_backward_epilogue", uses=("enable_backward_allreduce", "allreduce_gradients"))
+    DEEPSPEED.method(patch, engine, "step", uses=("enable_backward_allreduce", "allreduce_gradients"))
+    DEEPSPEED.method(patch, engine, "__init__", uses=("enable_backward_allreduce",))
+    DEEPSPEED.method(patch, engine, "_configure_distributed_model", uses=("dp_world_size",))
 
 
 # zero0_fp16_loss_scale: at ZeRO-0, DeepSpeed 0.19's `engine.backward` does not multiply the loss by the loss scale
@@ -382,12 +378,14 @@ def loss_scale(engine):
 
 def _check_zero0_fp16_loss_scale(patch: str) -> None:
     # engine.backward and `scales_loss_itself` must tell the optimizers apart by the same test, and only by it.
-    _attr(patch, _module(patch, "deepspeed.runtime.base_optimizer"), "ZeROOptimizer")
-    backward = _method(patch, _engine_class(patch), "backward", uses=("ZeROOptimizer", "scale_if_loss"))
-    if "fp16_enabled" in _code_words(backward)[0]:
-        _fail(patch, "DeepSpeedEngine.backward now scales fp16 losses itself (PR #8393?): the loop would scale twice")
+    DEEPSPEED.attr(patch, DEEPSPEED.module_named(patch, "deepspeed.runtime.base_optimizer"), "ZeROOptimizer")
+    backward = DEEPSPEED.method(patch, _engine_class(patch), "backward", uses=("ZeROOptimizer", "scale_if_loss"))
+    if "fp16_enabled" in code_words(backward)[0]:
+        DEEPSPEED.fail(
+            patch, "DeepSpeedEngine.backward now scales fp16 losses itself (PR #8393?): the loop would scale twice"
+        )
     for module, name in _FP16_WRAPPERS:
-        _attr(patch, _attr(patch, _module(patch, module), name), "loss_scale")
+        DEEPSPEED.attr(patch, DEEPSPEED.attr(patch, DEEPSPEED.module_named(patch, module), name), "loss_scale")
 
 
 # fp16_skipped_steps: DeepSpeed counts the optimizer steps a gradient overflow skipped (fp16) on the engine, and
@@ -401,10 +399,10 @@ def skipped_steps(engine) -> int:
 
 def _check_fp16_skipped_steps(patch: str) -> None:
     engine = _engine_class(patch)
-    _method(patch, engine, "__init__", uses=("skipped_steps",))
-    _method(patch, engine, "_take_model_step", uses=("skipped_steps", "overflow"))
-    _method(patch, engine, "_common_checkpoint_state", uses=("skipped_steps",))
-    _method(patch, engine, "_load_checkpoint", strings=("skipped_steps",))
+    DEEPSPEED.method(patch, engine, "__init__", uses=("skipped_steps",))
+    DEEPSPEED.method(patch, engine, "_take_model_step", uses=("skipped_steps", "overflow"))
+    DEEPSPEED.method(patch, engine, "_common_checkpoint_state", uses=("skipped_steps",))
+    DEEPSPEED.method(patch, engine, "_load_checkpoint", strings=("skipped_steps",))
 
 
 # zero0_fp16_masters: at ZeRO-0 the fp16 optimizer (the unfused one, which wraps any torch optimizer) keeps the fp32
@@ -426,11 +424,13 @@ def checkpoint_fp32_groups(states: dict) -> list[list[torch.Tensor]] | None:
 
 
 def _check_zero0_fp16_masters(patch: str) -> None:
-    unfused = _attr(patch, _module(patch, "deepspeed.runtime.fp16.unfused_optimizer"), "FP16_UnfusedOptimizer")
-    _method(patch, unfused, "__init__", uses=("fp16_groups", _MASTERS_KEY))
-    _method(patch, unfused, "state_dict", strings=(_MASTERS_KEY,))
-    _method(patch, _engine_class(patch), "_configure_fp16_optimizer", uses=("FP16_UnfusedOptimizer",))
-    _method(patch, _engine_class(patch), "_common_checkpoint_state", strings=("module", "optimizer"))
+    unfused = DEEPSPEED.attr(
+        patch, DEEPSPEED.module_named(patch, "deepspeed.runtime.fp16.unfused_optimizer"), "FP16_UnfusedOptimizer"
+    )
+    DEEPSPEED.method(patch, unfused, "__init__", uses=("fp16_groups", _MASTERS_KEY))
+    DEEPSPEED.method(patch, unfused, "state_dict", strings=(_MASTERS_KEY,))
+    DEEPSPEED.method(patch, _engine_class(patch), "_configure_fp16_optimizer", uses=("FP16_UnfusedOptimizer",))
+    DEEPSPEED.method(patch, _engine_class(patch), "_common_checkpoint_state", strings=("module", "optimizer"))
 
 
 # checkpoint_files: what DeepSpeed names the files of a checkpoint tag, and the converter to a universal checkpoint.
@@ -459,17 +459,19 @@ def _check_checkpoint_files(patch: str) -> None:
     engine = _engine_class(patch)
     stand_in = SimpleNamespace(checkpoint_mp_rank=0, zero_optimization_partition_weights=lambda: False)
     try:  # DeepSpeed's own naming, run on a stand-in engine of one ZeRO-0/1/2 rank
-        model_states = Path(_method(patch, engine, "_get_ckpt_name")(stand_in, "ckpt", "tag")).name
-        shard = _method(patch, engine, "_get_zero_ckpt_prefix")(stand_in, 0, bf16_mode=False) + "_optim_states.pt"
+        model_states = Path(DEEPSPEED.method(patch, engine, "_get_ckpt_name")(stand_in, "ckpt", "tag")).name
+        shard = (
+            DEEPSPEED.method(patch, engine, "_get_zero_ckpt_prefix")(stand_in, 0, bf16_mode=False) + "_optim_states.pt"
+        )
     except Exception as err:  # noqa: BLE001 - any failure means the naming code changed
-        _fail(patch, f"DeepSpeedEngine's checkpoint file naming failed on a stand-in engine ({err!r})")
+        DEEPSPEED.fail(patch, f"DeepSpeedEngine's checkpoint file naming failed on a stand-in engine ({err!r})")
     if model_states != MODEL_STATES_FILE:
-        _fail(patch, f"model states are saved as {model_states}, not {MODEL_STATES_FILE}")
+        DEEPSPEED.fail(patch, f"model states are saved as {model_states}, not {MODEL_STATES_FILE}")
     if not fnmatch.fnmatch(shard, ZERO_SHARD_PATTERN):
-        _fail(patch, f"ZeRO shards are saved as {shard}, which {ZERO_SHARD_PATTERN} does not match")
-    converter = _module(patch, _UNIVERSAL_MODULE)
-    _method(patch, converter, "main")
-    _method(patch, converter, "parse_arguments", strings=(*_UNIVERSAL_FLAGS, "--inject_missing_state"))
+        DEEPSPEED.fail(patch, f"ZeRO shards are saved as {shard}, which {ZERO_SHARD_PATTERN} does not match")
+    converter = DEEPSPEED.module_named(patch, _UNIVERSAL_MODULE)
+    DEEPSPEED.method(patch, converter, "main")
+    DEEPSPEED.method(patch, converter, "parse_arguments", strings=(*_UNIVERSAL_FLAGS, "--inject_missing_state"))
 
 
 # checkpoint_writes: DeepSpeed writes every file of a tag through `engine.checkpoint_engine.save(state_dict, path)`
@@ -502,31 +504,55 @@ def recorded_writes(engine, written: dict[str, int], errors: list[OSError]):
 
 def _check_checkpoint_writes(patch: str) -> None:
     engine = _engine_class(patch)
-    _method(patch, engine, "_save_checkpoint", uses=("checkpoint_engine", "save"))
-    _method(patch, engine, "_save_zero_checkpoint", uses=("checkpoint_engine", "save"))
-    torch_engine = _module(patch, "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine")
-    _method(patch, _attr(patch, torch_engine, "TorchCheckpointEngine"), "save", params=("self", "state_dict", "path"))
+    DEEPSPEED.method(patch, engine, "_save_checkpoint", uses=("checkpoint_engine", "save"))
+    DEEPSPEED.method(patch, engine, "_save_zero_checkpoint", uses=("checkpoint_engine", "save"))
+    torch_engine = DEEPSPEED.module_named(patch, "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine")
+    DEEPSPEED.method(
+        patch,
+        DEEPSPEED.attr(patch, torch_engine, "TorchCheckpointEngine"),
+        "save",
+        params=("self", "state_dict", "path"),
+    )
 
 
 PATCHES: dict[str, Patch] = {
     patch.name: patch
     for patch in (
-        Patch("zero3_param_attributes", _check_zero3_param_attributes),
-        Patch("zero_init_apply", _check_zero_init_apply),
-        Patch("fp32_master_shared", _check_fp32_master_shared),
-        Patch("zero12_master_shared", _check_zero12_master_shared),
-        Patch("skip_identity_grad_passes", _check_skip_identity_grad_passes),
-        Patch("single_rank_no_allreduce", _check_single_rank_no_allreduce),
-        Patch("zero0_fp16_loss_scale", _check_zero0_fp16_loss_scale),
-        Patch("zero0_fp16_masters", _check_zero0_fp16_masters),
-        Patch("fp16_skipped_steps", _check_fp16_skipped_steps),
-        Patch("checkpoint_files", _check_checkpoint_files),
-        Patch("checkpoint_writes", _check_checkpoint_writes),
+        Patch("zero3_param_attributes", "correctness", _check_zero3_param_attributes, stops_unchecked=False),
+        Patch("zero_init_apply", "correctness", _check_zero_init_apply),
+        Patch("fp32_master_shared", "memory", _check_fp32_master_shared),
+        Patch("zero12_master_shared", "memory", _check_zero12_master_shared),
+        Patch("skip_identity_grad_passes", "speed", _check_skip_identity_grad_passes),
+        Patch("single_rank_no_allreduce", "speed", _check_single_rank_no_allreduce),
+        Patch("zero0_fp16_loss_scale", "correctness", _check_zero0_fp16_loss_scale),
+        Patch("zero0_fp16_masters", "correctness", _check_zero0_fp16_masters),
+        Patch("fp16_skipped_steps", "correctness", _check_fp16_skipped_steps, stops_unchecked=False),
+        Patch("checkpoint_files", "correctness", _check_checkpoint_files, stops_unchecked=False),
+        Patch("checkpoint_writes", "correctness", _check_checkpoint_writes, stops_unchecked=False),
     )
 }
 
+SETTINGS = {
+    "fp32_master_shared": "share_zero3_masters",
+    "zero12_master_shared": "share_zero12_masters",
+    "skip_identity_grad_passes": "skip_identity_grad_passes",
+    "single_rank_no_allreduce": "skip_single_rank_allreduce",
+}
+"""The engine setting (`engine.<name>` in a recipe) that turns each memory and speed patch on."""
+
+
+def needed(zero_stage: int, precision: str) -> tuple[str, ...]:
+    """The correctness patches a run at `zero_stage` in `precision` relies on."""
+    names = ["checkpoint_files", "checkpoint_writes"]
+    if zero_stage == 3:
+        names += ["zero3_param_attributes", "zero_init_apply"]
+    if precision == "fp16":
+        names += ["zero0_fp16_loss_scale", "zero0_fp16_masters", "fp16_skipped_steps"]
+    return tuple(names)
+
 
 def check(*names: str) -> None:
-    """Run the checks of the named patches (default: all); raises DeepSpeedCompatError at the first that fails."""
-    for name in names or PATCHES:
+    """Run the checks of the named patches (default: every correctness patch); raises DeepSpeedCompatError at the
+    first that fails."""
+    for name in names or (name for name, patch in PATCHES.items() if patch.kind == "correctness"):
         PATCHES[name].check()

@@ -250,7 +250,7 @@ def parallelize(
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    ds_compat.check()  # a DeepSpeed release that changed an internal we patch stops here, naming it
+    ds_compat.check(*ds_compat.needed(cfg.engine.zero_stage, cfg.engine.precision))  # a changed internal stops here
     timm_compat.check()  # likewise timm's (data/wds_compat.py checks webdataset's when the pipeline is imported)
     if cfg.engine.precision == "fp16" and not get_accelerator().is_fp16_supported():
         raise ValueError(
@@ -280,12 +280,16 @@ def parallelize(
     # skip: DeepSpeed's ZeRO-0 fp16 optimizer steps once on zero gradients to create the optimizer state, which would
     # apply one weight decay to the fp32 weights (not to their fp16 copy) and count one Adam step; torch optimizers
     # create their state on their first real step anyway.
-    with ds_compat.fp32_master_shared(), optimizer.guard(skip=True):
+    patches = {name for name, setting in ds_compat.SETTINGS.items() if getattr(cfg.engine, setting)}
+    patches = {name for name in patches if ds_compat.applies(name)}  # each skipped with a warning if unchecked
+    shared = ds_compat.fp32_master_shared() if "fp32_master_shared" in patches else contextlib.nullcontext()
+    with shared, optimizer.guard(skip=True):
         engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
-    if cfg.engine.zero_stage == 3:
+    if "skip_identity_grad_passes" in patches:
         ds_compat.skip_identity_grad_passes(engine.optimizer)
-    elif cfg.engine.zero_stage in (1, 2):
+    if "zero12_master_shared" in patches:
         ds_compat.share_zero12_masters(engine.optimizer)
-    ds_compat.skip_single_rank_allreduce(engine)
+    if "single_rank_no_allreduce" in patches:
+        ds_compat.skip_single_rank_allreduce(engine)
     optimizer.reduce_norm = cfg.engine.zero_stage > 0 and dist.world_size > 1  # each rank steps its own partition
     return engine, optimizer

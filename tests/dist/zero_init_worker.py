@@ -48,12 +48,22 @@ def summary(cfg, objective, optimizer) -> dict:
     return out
 
 
+# The optional DeepSpeed patches (off by default) each run turns on, so that 2 ranks check them against ZeRO-0.
+OPTIONAL_PATCHES = {
+    0: [],
+    1: ["engine.share_zero12_masters=true"],
+    2: ["engine.share_zero12_masters=true"],
+    3: ["engine.share_zero3_masters=true", "engine.skip_identity_grad_passes=true"],
+}
+
+
 def trained(out: Path, dist, stage: int, grad_clip: float, start: dict | None) -> tuple[dict, dict, object]:
     """MAE's trainable weights (by name) before and after 3 fp32 SGD steps through `parallelize` at `stage`, each rank
     on its own batches, starting from `start` or from the build's own initialisation; and the engine. (SGD: an update
     is the gradient times the lr, so a difference in the gradients shows at its own size; Adam would blow up rounding
     noise in gradients that are zero in exact arithmetic, such as the attention's key bias.)"""
     overrides = [*MODEL.split(), *KINDS["mae"].split(), f"engine.zero_stage={stage}", "engine.precision=fp32"]
+    overrides += OPTIONAL_PATCHES[stage]
     overrides += [
         f"optim.grad_clip={grad_clip}",
         "optim.kind=sgd",
@@ -83,7 +93,9 @@ def main(out: Path) -> None:
     dist = init_distributed("cpu")
     result = {}
     for kind, overrides in KINDS.items():
-        cfg = load_config(None, [*MODEL.split(), *overrides.split(), "engine.zero_stage=3", f"run_dir={out}"])
+        cfg = load_config(
+            None, [*MODEL.split(), *overrides.split(), "engine.zero_stage=3", *OPTIONAL_PATCHES[3], f"run_dir={out}"]
+        )
         torch.manual_seed(0)
         objective, layout = build_partitioned(objective_builder(cfg), deepspeed_config(cfg, dist.world_size))
         optimizer = build_optimizer(objective, cfg, layout)
@@ -97,14 +109,14 @@ def main(out: Path) -> None:
                 for g in build_optimizer(plain, cfg).param_groups
             ),
         }
-    # The engine's optimizer (here for the last objective, BEiT) steps the fp32 parameter partitions themselves: no
-    # second fp32 master copy.
+    # The engine's optimizer (here for the last objective, BEiT) steps the fp32 parameter partitions themselves with
+    # engine.share_zero3_masters: no second fp32 master copy.
     engine, _ = parallelize(objective_builder(cfg), cfg=cfg, dist=dist, run_dir=out)
     zero = engine.optimizer
     pairs = list(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True))
     result["master_is_partition"] = [m.data_ptr() == p.data_ptr() and m.numel() == p.numel() for m, p in pairs]
-    # ZeRO-3's trimmed step (zero3_runtime.py: per-block gathering, Linear32; ds_compat.py: no norm / unscale without
-    # clipping) against ZeRO-0, without and with clipping (0.01 clips every step here).
+    # ZeRO-3's trimmed step (zero3_runtime.py: per-block gathering, Linear32; engine.skip_identity_grad_passes: no norm
+    # / unscale without clipping) against ZeRO-0, without and with clipping (0.01 clips every step here).
     for clip in (0.0, 0.01):
         start, zero3, _ = trained(out, dist, 3, clip, None)
         _, zero0, _ = trained(out, dist, 0, clip, start)
@@ -113,7 +125,7 @@ def main(out: Path) -> None:
             "max_relative_diff": max((zero3[k] - zero0[k]).abs().max().item() / updates[k] for k in zero3),
             "updates": [min(updates.values()), max(updates.values())],
         }
-    # ZeRO-1/2 step each rank's partition of the fp32 parameters itself (ds_compat.py `share_zero12_masters`), and
+    # ZeRO-1/2 step each rank's partition of the fp32 parameters itself (engine.share_zero12_masters), and
     # move every parameter as ZeRO-0 does (the last start and ZeRO-0 run, with clipping).
     for stage in (1, 2):
         _, moved, engine = trained(out, dist, stage, 0.01, start)

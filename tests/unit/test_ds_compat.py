@@ -56,21 +56,32 @@ def test_every_check_passes_on_the_installed_deepspeed(name):
     PATCHES[name].check()
 
 
-def test_check_runs_every_patch_and_names_are_known():
+def test_check_runs_every_patch_and_each_has_its_class():
     ds_compat.check()
-    assert set(PATCHES) == {
-        "zero3_param_attributes",
-        "zero_init_apply",
-        "fp32_master_shared",
-        "zero12_master_shared",
-        "skip_identity_grad_passes",
-        "single_rank_no_allreduce",
-        "zero0_fp16_loss_scale",
-        "zero0_fp16_masters",
-        "fp16_skipped_steps",
-        "checkpoint_files",
-        "checkpoint_writes",
+    assert {name: patch.kind for name, patch in PATCHES.items()} == {
+        "zero3_param_attributes": "correctness",
+        "zero_init_apply": "correctness",
+        "fp32_master_shared": "memory",
+        "zero12_master_shared": "memory",
+        "skip_identity_grad_passes": "speed",
+        "single_rank_no_allreduce": "speed",
+        "zero0_fp16_loss_scale": "correctness",
+        "zero0_fp16_masters": "correctness",
+        "fp16_skipped_steps": "correctness",
+        "checkpoint_files": "correctness",
+        "checkpoint_writes": "correctness",
     }
+    optional = {name for name, patch in PATCHES.items() if patch.kind != "correctness"}
+    assert set(ds_compat.SETTINGS) == optional  # each memory and speed patch has its engine setting, off by default
+    engine = load_config(None, []).engine
+    assert not any(getattr(engine, setting) for setting in ds_compat.SETTINGS.values())
+
+
+def test_a_run_checks_only_the_correctness_patches_it_needs():
+    assert set(ds_compat.needed(1, "bf16")) == {"checkpoint_files", "checkpoint_writes"}
+    zero3_fp16 = set(ds_compat.needed(3, "fp16")) - {"checkpoint_files", "checkpoint_writes"}
+    assert zero3_fp16 == {"zero3_param_attributes", "zero_init_apply", "zero0_fp16_loss_scale", "zero0_fp16_masters",
+                          "fp16_skipped_steps"}  # fmt: skip
 
 
 # One internal per patch, removed: (patch, owner, attribute).
@@ -186,10 +197,10 @@ def test_a_converter_without_a_flag_we_pass_fails(monkeypatch):
 
 
 def test_parallelize_runs_the_checks_before_anything_else(monkeypatch, tmp_path):
-    monkeypatch.delattr(_owner(STAGE3), "_create_fp32_partitions")
-    cfg = load_config(None, [f"run_dir={tmp_path}"])
+    monkeypatch.delattr(_owner(INIT), "_convert_to_deepspeed_param")  # a correctness patch of every ZeRO-3 run
+    cfg = load_config(None, [f"run_dir={tmp_path}", "engine.zero_stage=3"])
     dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    with pytest.raises(DeepSpeedCompatError, match=re.escape("'fp32_master_shared'")):
+    with pytest.raises(DeepSpeedCompatError, match=re.escape("'zero3_param_attributes'")):
         parallelize(torch.nn.Linear(2, 2), cfg=cfg, dist=dist, run_dir=tmp_path)
     assert not (tmp_path / "deepspeed.json").exists()  # refused before anything was written
 
@@ -223,13 +234,14 @@ def test_single_rank_allreduce_is_dropped_only_at_zero0_on_one_rank():
         assert not ds_compat.skip_single_rank_allreduce(kept) and kept.enable_backward_allreduce
 
 
-def _trained(dist, run_dir: Path, stage: int, steps: int = 4):
+def _trained(dist, run_dir: Path, stage: int, *settings: str, steps: int = 4):
     """(engine, model, its initial weights) after `steps` bf16-autocast AdamW steps of a small MLP through
-    `parallelize` at `stage`."""
+    `parallelize` at `stage`, with the engine `settings` turned on."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
     initial = [p.detach().clone() for p in model.parameters()]
-    cfg = load_config(None, [f"run_dir={run_dir}", f"engine.zero_stage={stage}", "data.global_batch_size=4"])
+    overrides = [f"run_dir={run_dir}", f"engine.zero_stage={stage}", "data.global_batch_size=4"]
+    cfg = load_config(None, [*overrides, *(f"engine.{setting}=true" for setting in settings)])
     engine, optimizer = parallelize(model, cfg=cfg, dist=dist, run_dir=run_dir)
     for _ in range(steps):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -240,45 +252,74 @@ def _trained(dist, run_dir: Path, stage: int, steps: int = 4):
     return engine, model, initial
 
 
-def test_one_rank_zero0_trains_the_same_without_the_allreduce(one_rank, tmp_path, monkeypatch):
-    """Dropping the identity all-reduce changes no bit of a one-rank ZeRO-0 run: four steps with and without it."""
-    weights = {}
-    for skip in (True, False):
-        if not skip:
-            monkeypatch.setattr(ds_compat, "skip_single_rank_allreduce", lambda engine: False)
-        engine, model, initial = _trained(one_rank, tmp_path, 0)
-        assert engine.enable_backward_allreduce is not skip
-        weights[skip] = [p.detach().clone() for p in model.parameters()]
-    assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False], strict=True))
-    assert not any(torch.equal(a, b) for a, b in zip(weights[True], initial, strict=True))  # it did train
+def _assert_same_training(patched: torch.nn.Module, plain: torch.nn.Module, initial: list[torch.Tensor]) -> None:
+    """Both runs end on the same bits, and every parameter moved."""
+    assert all(torch.equal(a, b) for a, b in zip(patched.parameters(), plain.parameters(), strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(patched.parameters(), initial, strict=True))
+
+
+def test_one_rank_zero0_trains_the_same_without_the_allreduce(one_rank, tmp_path):
+    """engine.skip_single_rank_allreduce changes no bit of a one-rank ZeRO-0 run: four steps with and without it."""
+    engine, patched, initial = _trained(one_rank, tmp_path, 0, "skip_single_rank_allreduce")
+    assert not engine.enable_backward_allreduce
+    engine, plain, _ = _trained(one_rank, tmp_path, 0)
+    assert engine.enable_backward_allreduce  # off by default: DeepSpeed's own backward
+    _assert_same_training(patched, plain, initial)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero12_steps_the_parameters_themselves_and_trains_the_same(one_rank, tmp_path, monkeypatch, stage):
-    """With the masters shared, the ZeRO-1/2 optimizer's fp32 partition is the parameters' own storage, what DeepSpeed
-    reports as each parameter's fp32 value is the parameter, and four AdamW steps end on the same bits as with
-    DeepSpeed's own master copy."""
+def test_zero12_steps_the_parameters_themselves_and_trains_the_same(one_rank, tmp_path, stage):
+    """With engine.share_zero12_masters the ZeRO-1/2 optimizer's fp32 partition is the parameters' own storage, what
+    DeepSpeed reports as each parameter's fp32 value is the parameter, and four AdamW steps end on the same bits as
+    DeepSpeed's own step with its master copy (the default)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    engine, model, initial = _trained(one_rank, tmp_path, stage)
+    engine, patched, initial = _trained(one_rank, tmp_path, stage, "share_zero12_masters")
     zero = engine.optimizer
     for master, flat, group in zip(
         zero.single_partition_of_fp32_groups, zero.bit16_groups_flat, zero.optimizer.param_groups, strict=True
     ):
         assert master.data_ptr() == flat.data_ptr() and master.numel() == flat.numel()  # one rank: the whole buffer
         assert group["params"] == [master] and master in zero.optimizer.state
-    assert all(torch.equal(safe_get_full_fp32_param(p), p) for p in model.parameters())
-    shared = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(safe_get_full_fp32_param(p), p) for p in patched.parameters())
 
-    monkeypatch.setattr(ds_compat, "share_zero12_masters", lambda zero: False)
-    engine, model, _ = _trained(one_rank, tmp_path, stage)
+    engine, plain, _ = _trained(one_rank, tmp_path, stage)
     zero = engine.optimizer
     assert all(
         m.data_ptr() != f.data_ptr()
         for m, f in zip(zero.single_partition_of_fp32_groups, zero.bit16_groups_flat, strict=True)
     )
-    assert all(torch.equal(a, b) for a, b in zip(shared, model.parameters(), strict=True))
-    assert not any(torch.equal(a, b) for a, b in zip(shared, initial, strict=True))  # every parameter moved
+    _assert_same_training(patched, plain, initial)
+
+
+def _zero3_weights(engine) -> list[torch.Tensor]:
+    """The full fp32 weights of a one-rank ZeRO-3 engine's module (its partitions are the whole parameters)."""
+    return [p.ds_tensor.detach().clone().view(p.ds_shape) for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("setting", ["share_zero3_masters", "skip_identity_grad_passes"])
+def test_zero3_patches_train_the_same_as_deepspeeds_own_step(one_rank, tmp_path, setting):
+    """Each ZeRO-3 patch, on: four AdamW steps end on the same bits as DeepSpeed's own step (the default, off); the
+    masters are the parameter partitions themselves, or the norm and unscale are replaced on the optimizer."""
+    engine, _, initial = _trained(one_rank, tmp_path, 3, setting)
+    zero = engine.optimizer
+    shares = [
+        m.data_ptr() == p.data_ptr()
+        for m, p in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True)
+    ]
+    skips = "_get_norm_groups" in vars(zero) and "unscale_and_clip_grads" in vars(zero)
+    assert (all(shares), skips) == (setting == "share_zero3_masters", setting == "skip_identity_grad_passes")
+    patched = _zero3_weights(engine)
+    engine, _, _ = _trained(one_rank, tmp_path, 3)
+    zero = engine.optimizer
+    assert not any(
+        m.data_ptr() == p.data_ptr()
+        for m, p in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True)
+    )
+    assert "_get_norm_groups" not in vars(zero)
+    plain = _zero3_weights(engine)
+    assert all(torch.equal(a, b) for a, b in zip(patched, plain, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(patched, initial, strict=True))
 
 
 def test_zero12_masters_are_not_shared_with_offload_or_fp16_weights():
@@ -357,3 +398,71 @@ def test_mae_init_touches_only_the_visited_modules_own_weights(monkeypatch):
     expected = reference.state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in partitioned.state_dict().items())
     assert not partitioned.encoder.pos_embed.requires_grad
+
+
+UNCHECKED = "0.20.0"
+
+
+@pytest.fixture
+def unchecked_release(monkeypatch):
+    """The installed DeepSpeed reporting a release the patches were not checked against; nothing warned yet."""
+    monkeypatch.setattr(deepspeed, "__version__", UNCHECKED)
+    monkeypatch.setattr(ds_compat, "_warned", set())
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == ds_compat.__name__ and r.levelname == "WARNING"]
+
+
+def test_an_unchecked_release_skips_each_memory_and_speed_patch_with_one_warning(unchecked_release, caplog):
+    for name, setting in ds_compat.SETTINGS.items():
+        with pytest.raises(DeepSpeedCompatError):
+            PATCHES[name].check()
+        assert not ds_compat.applies(name) and not ds_compat.applies(name)
+        warned = [m for m in _warnings(caplog) if f"'{name}'" in m]
+        assert len(warned) == 1 and "\n" not in warned[0], warned
+        assert UNCHECKED in warned[0] and f"engine.{setting}" in warned[0] and "Skipped" in warned[0]
+
+
+def test_a_changed_internal_skips_a_memory_patch_instead_of_stopping(monkeypatch, caplog):
+    monkeypatch.setattr(ds_compat, "_warned", set())
+    monkeypatch.delattr(_owner(STAGE3), "_create_fp32_partitions")
+    assert not ds_compat.applies("fp32_master_shared")
+    assert any("_create_fp32_partitions is missing" in m and "Skipped" in m for m in _warnings(caplog))
+
+
+def test_an_unchecked_release_trains_without_the_memory_patch(one_rank, tmp_path, unchecked_release, caplog):
+    """A ZeRO-2 launch asking for share_zero12_masters on an unchecked release goes on with DeepSpeed's own master
+    copy, and trains the same; the checkpoint patches it needs warn that they were checked on 0.19 only."""
+    engine, patched, initial = _trained(one_rank, tmp_path, 2, "share_zero12_masters")
+    zero = engine.optimizer
+    assert all(
+        m.data_ptr() != f.data_ptr()
+        for m, f in zip(zero.single_partition_of_fp32_groups, zero.bit16_groups_flat, strict=True)
+    )
+    warned = _warnings(caplog)
+    assert {name for name in ("checkpoint_files", "checkpoint_writes", "zero12_master_shared")
+            if any(f"'{name}'" in m and UNCHECKED in m for m in warned)} == {
+        "checkpoint_files", "checkpoint_writes", "zero12_master_shared"}  # fmt: skip
+    assert not any(torch.equal(a, b) for a, b in zip(patched.parameters(), initial, strict=True))
+
+
+@pytest.mark.parametrize("name", [n for n, p in PATCHES.items() if p.kind == "correctness" and p.stops_unchecked])
+def test_an_unchecked_release_stops_at_a_correctness_patch_whose_change_would_be_silent(unchecked_release, name):
+    named = (f"DeepSpeed patch '{name}'", f"installed deepspeed {UNCHECKED}", "install deepspeed>=0.19,<0.20")
+    assert_check_fails(PATCHES[name].check, DeepSpeedCompatError, *named)
+
+
+def test_an_unchecked_release_stops_an_fp16_launch_before_anything_is_written(unchecked_release, tmp_path):
+    cfg = load_config(None, [f"run_dir={tmp_path}", "engine.zero_stage=0", "engine.precision=fp16"])
+    dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(DeepSpeedCompatError, match=re.escape("'zero0_fp16_loss_scale'")):
+        parallelize(torch.nn.Linear(2, 2), cfg=cfg, dist=dist, run_dir=tmp_path)
+    assert not (tmp_path / "deepspeed.json").exists()
+
+
+def test_optional_patch_settings_are_refused_at_a_stage_they_do_not_apply_to():
+    for setting, stage in (("share_zero3_masters", 1), ("share_zero12_masters", 3), ("skip_identity_grad_passes", 2),
+                           ("skip_single_rank_allreduce", 1)):  # fmt: skip
+        with pytest.raises(ValueError, match=f"engine.{setting} needs engine.zero_stage"):
+            load_config(None, [f"engine.zero_stage={stage}", f"engine.{setting}=true"])

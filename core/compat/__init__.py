@@ -1,0 +1,1 @@
+"""Shims over DeepSpeed, timm and webdataset internals, and the checks that guard them."""
