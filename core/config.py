@@ -248,27 +248,19 @@ class EngineConfig(Section):
 
     # Optional DeepSpeed patches (docs/deepspeed_patches.md): off by default, since what they save at the recipes'
     # scale is small, and each is skipped with a warning on a DeepSpeed release it was not checked against.
-    share_zero3_masters: bool = Field(
-        False,
-        description="ZeRO-3, memory: step the fp32 parameter partitions themselves instead of DeepSpeed's second fp32 "
-        "copy (ds_compat patch fp32_master_shared; 4 bytes per parameter per rank; not with offload_optimizer).",
-    )
-    share_zero12_masters: bool = Field(
-        False,
-        description="ZeRO-1/2, memory: step each rank's partition of the fp32 parameters itself instead of DeepSpeed's "
-        "fp32 master copy, freed after it is built (ds_compat patch zero12_master_shared; 4 bytes per parameter per "
-        "rank and a copy per step; fp32 and bf16 without offload_optimizer).",
-    )
-    skip_identity_grad_passes: bool = Field(
-        False,
-        description="ZeRO-3, speed: drop DeepSpeed's global gradient norm and unscale from the step when they change "
-        "nothing (optim.grad_clip 0, no fp16 loss scaling) (ds_compat patch skip_identity_grad_passes).",
-    )
-    skip_single_rank_allreduce: bool = Field(
-        False,
-        description="ZeRO-0, speed: on a run of one rank, drop the gradient all-reduce of the backward pass, an "
-        "identity there (ds_compat patch single_rank_no_allreduce).",
-    )
+    share_zero3_masters: bool = False
+    """ZeRO-3, memory: step the fp32 parameter partitions themselves instead of DeepSpeed's second fp32 copy (ds_compat
+    patch fp32_master_shared; 4 bytes per parameter per rank; not with offload_optimizer)."""
+    share_zero12_masters: bool = False
+    """ZeRO-1/2, memory: step each rank's partition of the fp32 parameters itself instead of DeepSpeed's fp32 master
+    copy, freed after it is built (ds_compat patch zero12_master_shared; 4 bytes per parameter per rank and a copy per
+    step; fp32 and bf16 without offload_optimizer)."""
+    skip_identity_grad_passes: bool = False
+    """ZeRO-3, speed: drop DeepSpeed's global gradient norm and unscale from the step when they change nothing
+    (optim.grad_clip 0, no fp16 loss scaling) (ds_compat patch skip_identity_grad_passes)."""
+    skip_single_rank_allreduce: bool = False
+    """ZeRO-0, speed: on a run of one rank, drop the gradient all-reduce of the backward pass, an identity there
+    (ds_compat patch single_rank_no_allreduce)."""
 
     @model_validator(mode="after")
     def _check_offload(self) -> EngineConfig:
