@@ -45,7 +45,7 @@ from benchmarks.quality_report import (  # noqa: E402
 )
 from benchmarks.smoke_measure import launch  # noqa: E402
 from benchmarks.workers import machine_lines  # noqa: E402
-from core.config import load_config  # noqa: E402
+from core.recipe.config import load_config  # noqa: E402
 from core.rundir import flatten  # noqa: E402
 from data.subset import write_per_class_subset  # noqa: E402
 

@@ -40,8 +40,8 @@ if str(REPO) not in sys.path:  # run as a script: the repository's packages come
     sys.path.insert(0, str(REPO))
 
 from benchmarks.smoke_measure import check_export, estimated_peak_gib, last_step_seconds, launch, read_metrics  # noqa: E402
-from core.config import Config, load_config  # noqa: E402
-from core.models import VIT_SIZES  # noqa: E402
+from core.models.vit import VIT_SIZES  # noqa: E402
+from core.recipe.config import Config, load_config  # noqa: E402
 from data.write import write_shards  # noqa: E402
 
 RECIPES = REPO / "recipes"

@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.config import ConfigError, dump_config, load_config
 from core.preflight import preflight
+from core.recipe.config import ConfigError, dump_config, load_config
 from core.rundir import ALLOW_FLAG
 
 # The module launch.sh runs for each `stage` (the tokenizer is trained by the pretraining entry point).

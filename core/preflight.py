@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import webdataset as wds
 
-from core.config import Config, ConfigError
 from core.disk import checkpoint_bytes, describe_bytes, folder_bytes, free_bytes
 from core.gpus import cuda_unusable
+from core.recipe.config import Config, ConfigError
 from core.rundir import Relaunch, latest_checkpoint, relaunch
 from data.decode import IMAGE_FIELDS, LabelError, image_field, read_label
 from data.specs import dataset_size, describe_shards, is_mixture, resolve_shards

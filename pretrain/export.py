@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from core.config import Config, load_config
-from core.engine import ds_compat
+from core.compat import deepspeed as ds_compat
 from core.engine.checkpoint import resumable_tag
 from core.engine.fp16 import zero0_masters_from_checkpoint
 from core.engine.gather import export_state_dict
+from core.recipe.config import Config, load_config
 
 
 def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:

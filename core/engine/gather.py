@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.config import Config
 from core.engine.distributed import DistInfo
 from core.engine.export import export_model
 from core.engine.fp16 import fp32_master_weights
-from core.models import build_model, model_args
+from core.models.build import build_model, model_args
+from core.recipe.config import Config
 
 
 def gather_state_dict(engine, module: nn.Module, dist: DistInfo) -> dict[str, torch.Tensor] | None:

@@ -45,14 +45,14 @@ def test_beit_initialisation_reaches_partitioned_weights(built):
 
 
 def test_fp32_master_weights_are_the_parameter_partitions(built):
-    """fp32 partitions need no master copy (core/engine/ds_compat.py `fp32_master_shared`): 4 bytes per parameter."""
+    """fp32 partitions need no master copy (core/compat/deepspeed.py `fp32_master_shared`): 4 bytes per parameter."""
     assert built["master_is_partition"] and all(built["master_is_partition"])
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero12_step_the_parameter_partitions_and_train_like_zero0(built, stage):
-    """ZeRO-1/2 keep no fp32 master copy either (ds_compat.py `share_zero12_masters`): each rank's master partition is
-    its slice of the flat parameter buffer, and 3 clipped SGD steps on 2 ranks end where ZeRO-0's do."""
+    """ZeRO-1/2 keep no fp32 master copy either (core/compat/deepspeed.py `share_zero12_masters`): each rank's master
+    partition is its slice of the flat parameter buffer, and 3 clipped SGD steps on 2 ranks end where ZeRO-0's do."""
     result = built[f"zero{stage}"]
     assert result["master_is_partition"] and all(result["master_is_partition"])
     assert result["max_diff"] < 1e-6 * built["clip_0.01"]["updates"][1]

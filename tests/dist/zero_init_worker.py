@@ -12,12 +12,12 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from core.config import load_config
+from core.compat.deepspeed import partition_sizes
 from core.engine.distributed import init_distributed
-from core.engine.ds_compat import partition_sizes
 from core.engine.setup import build_optimizer, deepspeed_config, parallelize
 from core.engine.zero_init import build_partitioned, gathered
-from core.models import sincos_pos_embed_2d
+from core.models.pos_embed import sincos_pos_embed_2d
+from core.recipe.config import load_config
 from pretrain.objectives import objective_builder
 
 MODEL = "model.size=tiny model.embed_dim=32 model.depth=2 model.num_heads=2 model.img_size=16 model.patch_size=4"
@@ -103,8 +103,8 @@ def main(out: Path) -> None:
     zero = engine.optimizer
     pairs = list(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True))
     result["master_is_partition"] = [m.data_ptr() == p.data_ptr() and m.numel() == p.numel() for m, p in pairs]
-    # ZeRO-3's trimmed step (zero3_runtime.py: per-block gathering, Linear32; ds_compat.py: no norm / unscale without
-    # clipping) against ZeRO-0, without and with clipping (0.01 clips every step here).
+    # ZeRO-3's trimmed step (zero3_runtime.py: per-block gathering, Linear32; core/compat/deepspeed.py: no norm /
+    # unscale without clipping) against ZeRO-0, without and with clipping (0.01 clips every step here).
     for clip in (0.0, 0.01):
         start, zero3, _ = trained(out, dist, 3, clip, None)
         _, zero0, _ = trained(out, dist, 0, clip, start)
@@ -113,8 +113,8 @@ def main(out: Path) -> None:
             "max_relative_diff": max((zero3[k] - zero0[k]).abs().max().item() / updates[k] for k in zero3),
             "updates": [min(updates.values()), max(updates.values())],
         }
-    # ZeRO-1/2 step each rank's partition of the fp32 parameters itself (ds_compat.py `share_zero12_masters`), and
-    # move every parameter as ZeRO-0 does (the last start and ZeRO-0 run, with clipping).
+    # ZeRO-1/2 step each rank's partition of the fp32 parameters itself (core/compat/deepspeed.py
+    # `share_zero12_masters`), and move every parameter as ZeRO-0 does (the last start and ZeRO-0 run, with clipping).
     for stage in (1, 2):
         _, moved, engine = trained(out, dist, stage, 0.01, start)
         zero = engine.optimizer

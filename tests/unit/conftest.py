@@ -1,4 +1,4 @@
-"""Builders shared by tests/unit: tiny timm ViTs (from `core.models.build_vit`) with seeded random weights, and a
+"""Builders shared by tests/unit: tiny timm ViTs (from `core.models.vit.build_vit`) with seeded random weights, and a
 one-process group for engines built in the test process; bit rot in checkpoint files."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from core.engine.distributed import DistInfo
-from core.models import build_vit
+from core.models.vit import build_vit
 from tests.launching import TINY_MODEL
 
 # 16 px images in 4 px patches (a 4x4 grid), 32 wide, 2 blocks of 2 heads: the recipes' model in tests/dist.

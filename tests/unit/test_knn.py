@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 
 import pretrain.knn as knn_module
-from core.config import ConfigError, load_config
 from core.engine.distributed import DistInfo
-from core.models import build_vit
+from core.models.vit import build_vit
+from core.recipe.config import ConfigError, load_config
 from data.pipeline import make_eval_loader
 from data.specs import sample_quotas
 from data.write import write_shards

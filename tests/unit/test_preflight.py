@@ -13,8 +13,8 @@ import safetensors.torch
 import torch
 import yaml
 
-from core.config import dump_config, load_config
 from core.launch import main as launch_check
+from core.recipe.config import dump_config, load_config
 from core.rundir import mark_finished
 from data.__main__ import main as data_main
 from finetune.preflight import resolve

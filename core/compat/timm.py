@@ -53,7 +53,7 @@ def check(*names: str) -> None:
 
 def _fail(patch: str, problem: str) -> NoReturn:
     raise TimmCompatError(
-        f"timm patch {patch!r} (core/timm_compat.py): {problem}, in the installed timm {timm.__version__}. "
+        f"timm patch {patch!r} (core/compat/timm.py): {problem}, in the installed timm {timm.__version__}. "
         f"The patch was written for timm {WRITTEN_FOR}: adapt it to this release."
     )
 

@@ -67,7 +67,7 @@ class Patch:
 def _fail(patch: str, problem: str) -> NoReturn:
     version = getattr(sys.modules.get("deepspeed"), "__version__", "(not imported)")
     raise DeepSpeedCompatError(
-        f"DeepSpeed patch {patch!r} (core/engine/ds_compat.py): {problem}, in the installed deepspeed {version}. "
+        f"DeepSpeed patch {patch!r} (core/compat/deepspeed.py): {problem}, in the installed deepspeed {version}. "
         f"The patch was written for DeepSpeed {WRITTEN_FOR}: adapt it to this release, or install "
         f"deepspeed>={WRITTEN_FOR},<0.20."
     )

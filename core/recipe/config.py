@@ -2,7 +2,7 @@
 
 Every section is a strict pydantic model (`extra="forbid"`): an unknown key, a wrong type or an out-of-range
 value is a `ConfigError` naming the dotted key (with a close-match hint for typos) before any process starts.
-The layers are merged into one plain tree in core/recipe_tree.py; core/config_errors.py words the errors.
+The layers are merged into one plain tree in core/recipe/tree.py; core/recipe/errors.py words the errors.
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ from typing import Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
-from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from core.config_errors import ConfigError as ConfigError  # re-exported: callers catch it from here
-from core.config_errors import explain
-from core.model_config import ModelConfig, check_arch
-from core.recipe_tree import recipe_tree
-from core.sections import (
+from core.recipe.errors import ConfigError as ConfigError  # re-exported: callers catch it from here
+from core.recipe.errors import explain
+from core.recipe.model_config import ModelConfig, check_arch
+from core.recipe.sections import (
     OBJECTIVES_BY_STAGE,
     AugmentConfig,
     BEiTObjective,
@@ -31,10 +29,17 @@ from core.sections import (
     TrainSource,
     TrainSpec,
 )
+from core.recipe.tree import recipe_tree
 from data.shard_read import ShardReadPolicy
 from data.workers import LOADER_TIMEOUT_S
 
 _READS = ShardReadPolicy()  # the defaults of the data.read_* keys
+
+
+# timm's IMAGENET_DEFAULT_MEAN/STD (tests/unit/test_layers.py checks they agree), written out: importing timm.data
+# would import all of timm's models when a recipe is loaded.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class DataConfig(Section):
@@ -71,8 +76,8 @@ class DataConfig(Section):
     """Converts epochs to steps; default: sample count in the training shards' index.json. A mixture has none, so a
     schedule in epochs needs it set (e.g. to the main source's sample count, for epochs of the size they had
     without the other sources)."""
-    mean: tuple[float, float, float] = IMAGENET_DEFAULT_MEAN
-    std: tuple[float, float, float] = IMAGENET_DEFAULT_STD
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
     crop_scale: tuple[float, float] = (0.2, 1.0)
     """RandomResizedCrop area range (MAE pretraining: 0.2-1.0)."""
     eval_crop_pct: float = Field(0.875, gt=0.0, le=1.0)
@@ -265,7 +270,12 @@ class Config(Section):
             raise ValueError(
                 "optim.ema_decay does not work with engine.zero_stage 3 (the average would be partitioned)"
             )
-        check_arch(self)
+        check_arch(
+            self.model,
+            self.objective,
+            activation_checkpointing=self.engine.activation_checkpointing,
+            distill=self.distill.kind,
+        )
         if isinstance(self.objective, BEiTObjective):
             num_patches = math.prod(self.model.grid)
             budget = self.objective.mask.budget(num_patches)

@@ -1,5 +1,5 @@
 """Recipe sections for the objectives (`objective: {kind: ...}`), the fine-tuning augmentation and distillation,
-the sources of a training mixture, and the strict base every section shares. core/config.py assembles them into
+the sources of a training mixture, and the strict base every section shares. core/recipe/config.py assembles them into
 the one typed tree."""
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def check(*names: str) -> None:
 def _fail(patch: str, problem: str) -> NoReturn:
     version = getattr(wds, "__version__", "(unknown)")
     raise WebDatasetCompatError(
-        f"webdataset patch {patch!r} (data/wds_compat.py): {problem}, in the installed webdataset {version}. "
+        f"webdataset patch {patch!r} (core/compat/webdataset.py): {problem}, in the installed webdataset {version}. "
         f"The patch was written for webdataset {WRITTEN_FOR}: adapt it to this release."
     )
 
