@@ -108,8 +108,8 @@ else
                  --launcher "torchrun, master $master_addr:$master_port")
 fi
 [[ $dry_run -eq 0 ]] || check_args+=(--dry-run)
-module="$("$python" -m core.launch "${check_args[@]}")"
-[[ -n "$module" ]] || exit 0  # the run in run_dir finished this schedule: core.launch said so, nothing to start
+module="$("$python" -m launch "${check_args[@]}")"
+[[ -n "$module" ]] || exit 0  # the run in run_dir finished this schedule: python -m launch said so, nothing to start
 
 # Split this node's cores (those this launch may use) between its processes, on GPU nodes as on CPU ones: torchrun
 # would give each process 1 thread when a node runs several, which starves a GPU rank's host-side tensor work (saving and

@@ -1,4 +1,4 @@
-"""Pre-flight (core/preflight.py and the stages' preflight.py) through `python -m core.launch`, the check launch.sh
+"""Pre-flight (core/preflight.py and the stages' preflight.py) through `python -m launch`, the check launch.sh
 runs before any process starts: each bad input is one line `launch.sh: KEY: ...` naming the file, exit code 2, no
 traceback; good input passes and the plan says what was checked."""
 
@@ -13,11 +13,11 @@ import safetensors.torch
 import torch
 import yaml
 
-from core.launch import main as launch_check
 from core.recipe.config import dump_config, load_config
 from core.rundir import mark_finished
 from data.__main__ import main as data_main
 from finetune.preflight import resolve
+from launch.stages import main as launch_check
 from tests.launching import TINY_MODEL, copy_shards
 from tests.unit.conftest import tiny_vit
 

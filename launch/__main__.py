@@ -1,0 +1,5 @@
+import sys
+
+from launch.stages import main
+
+sys.exit(main())

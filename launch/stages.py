@@ -1,0 +1,26 @@
+"""Each recipe `stage`'s launch-time checks, for core/launch.py: imported only for the stage launched, since
+fine-tuning's pull in the hand-off and timm's models."""
+
+from __future__ import annotations
+
+from core.launch import check_launch
+from core.preflight import StageChecks
+
+
+def pretrain_checks() -> StageChecks:
+    from pretrain import preflight
+
+    return StageChecks(preflight.check, preflight.resolve, preflight.trained_module)
+
+
+def finetune_checks() -> StageChecks:
+    from finetune import preflight
+
+    return StageChecks(preflight.check, preflight.resolve, preflight.trained_module)
+
+
+STAGES = {"pretrain": pretrain_checks, "tokenizer": pretrain_checks, "finetune": finetune_checks}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return check_launch(argv, STAGES)
