@@ -88,7 +88,7 @@ format: install
 # docs/recipe-reference.md from the recipe schema's field descriptions (tests/unit/test_recipe_reference.py fails
 # while it is stale).
 recipe-reference: install
-	$(PY) -m core.recipe_reference > docs/recipe-reference.md
+	$(PY) -m core.recipe.reference > docs/recipe-reference.md
 
 # The engine against a plain loop where the 10% target is read: MAE ViT-B, batch 32, tcmalloc (as launch.sh runs),
 # ZeRO 0-3 and ZeRO-2 with engine.compile; with OFFICIAL_MAE=/path/to/facebookresearch/mae also the official training

@@ -43,7 +43,7 @@ fi
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 if [[ "$1" == "--explain" ]]; then  # reads the schema only: no GPU query, no pre-flight
     [[ $# -eq 2 ]] || die "usage: ./launch.sh --explain KEY (e.g. objective.mask_ratio)"
-    exec "$python" -m core.recipe_reference --explain "$2"
+    exec "$python" -m core.recipe.reference --explain "$2"
 fi
 recipe="$1"; shift
 dry_run=0
@@ -113,8 +113,8 @@ else
                  --launcher "torchrun, master $master_addr:$master_port")
 fi
 [[ $dry_run -eq 0 ]] || check_args+=(--dry-run)
-module="$("$python" -m core.launch "${check_args[@]}")"
-[[ -n "$module" ]] || exit 0  # the run in run_dir finished this schedule: core.launch said so, nothing to start
+module="$("$python" -m core.entry.launch_check "${check_args[@]}")"
+[[ -n "$module" ]] || exit 0  # the run in run_dir finished this schedule: the check said so, nothing to start
 
 # Split this node's cores (those this launch may use) between its processes, on GPU nodes as on CPU ones: torchrun
 # would give each process 1 thread when a node runs several, which starves a GPU rank's host-side tensor work (saving and

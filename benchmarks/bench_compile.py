@@ -33,8 +33,8 @@ def build(stage: str):
     """(objective, batch function) of the recipe, as the stage builds it (no weights loaded: speed only)."""
     import torch
 
-    from core.config import load_config
-    from core.models import build_model
+    from core.models.build import build_model
+    from core.recipe.config import load_config
     from pretrain.objectives import objective_builder
 
     cfg = load_config(RECIPES[stage][0], ["model.init=null"] if stage == "finetune" else [])

@@ -48,7 +48,11 @@ from data.write import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
 
-SIZE, SCALE, SHUFFLE_BUFFER = 224, (0.2, 1.0), 1000  # the MAE recipe's crop; core/config.py's data.shuffle_buffer
+SIZE, SCALE, SHUFFLE_BUFFER = (
+    224,
+    (0.2, 1.0),
+    1000,
+)  # the MAE recipe's crop; core/recipe/config.py's data.shuffle_buffer
 # ImageNet's commonest shapes (width, height), weighted: most photos are 500 x 375, some portrait or 3:2.
 SHAPES = [(500, 375)] * 6 + [(375, 500)] * 2 + [(500, 333)] * 2
 LOADERS = ("imagefolder", "ours-old", "ours-new")

@@ -266,7 +266,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def bench_model(model: str, args: argparse.Namespace, shards: Path, scratch: Path) -> tuple[list[str], list[str]]:
     """The configuration rows of `model` (each batch search after the first starts from bf16 eager's batch) and the
     data-wait row of its fastest bf16 configuration."""
-    from core.config import load_config
+    from core.recipe.config import load_config
 
     recipe = MODELS[model]
     rows, searches = [], {}

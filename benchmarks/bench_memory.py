@@ -58,9 +58,9 @@ def worker(spec: dict) -> None:
     import torch
 
     from benchmarks.engine_step import MeasurementDone, train_until_done
-    from core.config import load_config
     from core.engine.distributed import init_distributed
     from core.engine.setup import parallelize
+    from core.recipe.config import load_config
     from data.pipeline import zero_counts
     from pretrain.objectives import objective_builder
 

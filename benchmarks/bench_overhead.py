@@ -64,7 +64,7 @@ class Case:
 
 
 def build_config(spec: dict):
-    from core.config import load_config
+    from core.recipe.config import load_config
 
     overrides = [
         f"run_dir={spec['run_dir']}",
@@ -88,7 +88,7 @@ def build_objective(cfg, objective: str):
 
         return objective_builder(cfg)
     try:
-        from core.models import build_model
+        from core.models.build import build_model
     except ImportError:  # a --before tree from before core/engine/stage.py was split
         from core.engine.stage import build_model
     from finetune.classification import Classification
@@ -156,12 +156,12 @@ def run_engine(cfg, spec: dict, batch: dict, marks: list[tuple[float, float]]) -
     """The real loop (`core.engine.loop.train`) on the real DeepSpeed engine; a mark at every batch draw."""
     import torch
 
-    from core.config import dump_config
     from core.engine.distributed import init_distributed
     from core.engine.loop import train
     from core.engine.setup import parallelize
     from core.engine.train_state import TrainState
     from core.logging import MetricsLogger
+    from core.recipe.config import dump_config
 
     dist = init_distributed("cpu")
     run_dir = Path(spec["run_dir"])
@@ -184,7 +184,7 @@ def run_engine(cfg, spec: dict, batch: dict, marks: list[tuple[float, float]]) -
     with contextlib.suppress(MeasurementDone):
         try:
             from core.engine.loop import LoopHooks
-            from core.engine.run import StageRun
+            from core.engine.stage import StageRun
         except ImportError:  # a --before tree whose train() still took every field as a keyword
             train(engine=engine, optimizer=optimizer, batches=batches(), **kwargs)
         else:

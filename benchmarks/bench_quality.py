@@ -41,7 +41,7 @@ from benchmarks.quality_report import (
 )
 from benchmarks.smoke_measure import launch
 from benchmarks.workers import machine_lines
-from core.config import load_config
+from core.recipe.config import load_config
 from core.rundir import flatten
 from data.subset import write_per_class_subset
 

@@ -24,7 +24,7 @@ OFFICIAL_RUNNERS = {"official": "official MAE code", "official-sdpa": "official 
 
 
 def build_config(spec: dict):
-    from core.config import load_config
+    from core.recipe.config import load_config
 
     overrides = [
         f"run_dir={spec['run_dir']}",
@@ -194,11 +194,11 @@ def run_engine(cfg, spec: dict, batch: dict, clock: Clock) -> None:
 
 def train_until_done(cfg, engine, optimizer, batches, *, dist, run_dir: Path) -> None:
     """`core.engine.loop.train` on `batches` (which end by raising MeasurementDone), without logging or checkpoints."""
-    from core.config import dump_config
     from core.engine.loop import LoopHooks, train
-    from core.engine.run import StageRun
+    from core.engine.stage import StageRun
     from core.engine.train_state import TrainState
     from core.logging import MetricsLogger
+    from core.recipe.config import dump_config
 
     total = cfg.schedule.steps
     logger = MetricsLogger(run_dir, enabled=False, tensorboard=False, total_steps=total)

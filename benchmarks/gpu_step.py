@@ -17,7 +17,7 @@ NEVER = 10**9  # logging / checkpoint period that never comes round in a benchma
 
 def build_config(spec: dict):
     """The recipe with the spec's batch, precision and compile; the data read in this process (one batch of it)."""
-    from core.config import load_config
+    from core.recipe.config import load_config
 
     overrides = [
         f"run_dir={spec['run_dir']}",

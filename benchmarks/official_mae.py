@@ -154,7 +154,7 @@ def run_official(spec: dict, images: torch.Tensor, clock) -> float:
 
     Args:
         spec: The worker's spec: `official_mae` (checkout path), `kind` ("official-sdpa": timm 1.0's SDPA attention),
-            `model` (a core.models.VIT_SIZES key), `warmup`, `steps`.
+            `model` (a core.models.vit.VIT_SIZES key), `warmup`, `steps`.
         images: (B, 3, H, W) one batch, drawn every step.
         clock: engine_step's Clock: marked at every batch draw; backward, step phase and AdamW.step timed.
 
@@ -188,7 +188,7 @@ def build_official_model(models_mae: types.ModuleType, size: str, img_size: int)
     sizes (--quick's tiny) through its MaskedAutoencoderViT with the same patch 16 and 512-wide 8-block decoder."""
     if size in ("base", "large"):
         return getattr(models_mae, f"mae_vit_{size}_patch16")(img_size=img_size, norm_pix_loss=True)
-    from core.models import VIT_SIZES
+    from core.models.vit import VIT_SIZES
 
     return models_mae.MaskedAutoencoderViT(
         img_size=img_size,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import psutil
 
-from core.config import Config
-from core.models import VIT_SIZES
-from core.t2t_vit import VARIANTS as T2T_VARIANTS
+from core.models.t2t_vit import VARIANTS as T2T_VARIANTS
+from core.models.vit import VIT_SIZES
+from core.recipe.config import Config
 
 REPO = Path(__file__).resolve().parents[1]
 POLL_SECONDS = 0.5
@@ -191,7 +191,7 @@ def parameter_counts(cfg: Config, num_classes: int) -> tuple[int, int]:
 
         build = objective_builder(cfg)  # a tokenizer target is loaded here, outside the meta device
     else:
-        from core.models import build_model
+        from core.models.build import build_model
         from finetune.probe_ema import make_linear_probe
 
         def build():

@@ -36,8 +36,8 @@ import psutil
 from PIL import Image, ImageDraw
 
 from benchmarks.smoke_measure import check_export, estimated_peak_gib, last_step_seconds, launch, read_metrics
-from core.config import Config, load_config
-from core.models import VIT_SIZES
+from core.models.vit import VIT_SIZES
+from core.recipe.config import Config, load_config
 from data.write import write_shards
 
 REPO = Path(__file__).resolve().parents[1]

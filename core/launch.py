@@ -1,5 +1,6 @@
-"""Pre-launch check used by launch.sh: validate the recipe, the launch topology and the batch split for the world
-size the launch will have, and pre-flight the recipe's files (core/preflight.py), before any process starts; print
+"""Pre-launch check used by launch.sh (through `python -m core.entry.launch_check`, which hands in each stage's own
+checks): validate the recipe, the launch topology and the batch split for the world size the launch will have, and
+pre-flight the recipe's files (core/preflight.py), before any process starts; print
 the plan (stderr; with --dry-run also the resolved config) and the module to run (stdout, the only thing launch.sh
 reads). Every problem is one line on stderr, `launch.sh: KEY: ...`, and exit code 2. A run_dir whose run already
 finished this schedule prints nothing on stdout and exits 0: launch.sh then starts nothing (core/rundir.py).
@@ -13,11 +14,12 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.config import ConfigError, dump_config, load_config
-from core.preflight import preflight
+from core.preflight import StageChecks, preflight
+from core.recipe.config import ConfigError, dump_config, load_config
 from core.rundir import ALLOW_FLAG
 
 # The module launch.sh runs for each `stage` (the tokenizer is trained by the pretraining entry point).
@@ -122,8 +124,14 @@ def topology(args: argparse.Namespace) -> Topology:
     return Topology([(None, nproc)] * num_nodes, node_rank)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m core.launch")
+def check_launch(argv: list[str] | None, stages: Mapping[str, Callable[[], StageChecks]]) -> int:
+    """Check a launch (see the module docstring) and print the module to run; returns the exit code.
+
+    Args:
+        argv: `RECIPE [overrides] [launch options]`, as launch.sh passes them.
+        stages: For each `stage`, a function returning that stage's checks (imported only for the stage launched).
+    """
+    parser = argparse.ArgumentParser(prog="python -m core.entry.launch_check")
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--nnodes", help="NNODES: N (or N:N); with --hostfile, how many of its hosts to use")
@@ -142,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch.sh: {err}", file=sys.stderr)
         return 2
     module = STAGE_MODULES[cfg.stage]
-    findings = preflight(cfg, module, world_size=topo.world_size, allow_change=args.allow_config_change)
+    findings = preflight(cfg, stages[cfg.stage](), world_size=topo.world_size, allow_change=args.allow_config_change)
     for problem in findings.problems:
         print(f"launch.sh: {problem.line()}", file=sys.stderr)
     if findings.problems:
@@ -163,7 +171,3 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(module)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from core.config import WandbConfig
+from core.recipe.config import WandbConfig
 from core.wandb_log import WandbSink, last_logged_step
 
 

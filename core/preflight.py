@@ -8,7 +8,8 @@ read); a schedule in epochs has a sample count; an evaluation split has a shard 
 own, `make_eval_loader`); the filesystem of `run_dir` has room for the checkpoints kept (core/disk.py); a relaunch
 into a run_dir whose latest checkpoint another config wrote is refused, and one into a finished run is found
 (core/rundir.py).
-Each stage package adds its own checks in `<stage module>/preflight.py`: `check(cfg, findings, world_size)`
+Each stage adds its own checks (pretrain/preflight.py, finetune/preflight.py), handed in by
+core/entry/launch_check.py as `StageChecks`: `check(cfg, findings, world_size)`
 (`model.init`, `distill.teacher` and the labels' range for fine-tuning, the tokenizer target and the kNN sets for
 pretraining), `resolve(cfg)` (what the entry point completes before comparing configs) and `trained_module(cfg)`
 (what a checkpoint holds, built on the meta device for the space estimate).
@@ -19,20 +20,21 @@ opened: that would mean a download or running a command at launch; they fail ins
 
 from __future__ import annotations
 
-import importlib
 import os
 import shlex
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import webdataset as wds
+from torch import nn
 
-from core.config import Config, ConfigError
 from core.disk import checkpoint_bytes, describe_bytes, folder_bytes, free_bytes
 from core.gpus import cuda_unusable
+from core.recipe.config import Config, ConfigError
 from core.rundir import Relaunch, latest_checkpoint, relaunch
 from data.decode import IMAGE_FIELDS, LabelError, image_field, read_label
 from data.specs import dataset_size, describe_shards, is_mixture, resolve_shards
@@ -69,18 +71,25 @@ class Findings:
         self.passed.append(note)
 
 
-def preflight(cfg: Config, stage_module: str, *, world_size: int = 1, allow_change: bool = False) -> Findings:
+@dataclass(frozen=True)
+class StageChecks:
+    """A stage's own launch-time checks (see the module docstring)."""
+
+    check: Callable[[Config, Findings, int], None]
+    resolve: Callable[[Config], None]
+    trained_module: Callable[[Config], nn.Module]
+
+
+def preflight(cfg: Config, stage: StageChecks, *, world_size: int = 1, allow_change: bool = False) -> Findings:
     """Run every check for `cfg`.
 
     Args:
         cfg: The launch's config.
-        stage_module: The package launch.sh starts (pretrain or finetune), whose `preflight` module adds the stage's
-            own checks.
+        stage: The checks of the stage the recipe runs.
         world_size: Processes the launch will have.
         allow_change: `--allow-config-change` was passed (see core/rundir.py).
     """
     findings = Findings()
-    stage = importlib.import_module(f"{stage_module}.preflight")
     check_device(cfg.engine.device, findings)
     check_run_dir(cfg.run_dir, findings)
     labels = cfg.stage == "finetune"  # pretraining reads images only

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from core.config import Config
+from core.recipe.config import Config
 
 ALLOW_FLAG = "--allow-config-change"
 """The launch.sh / entry point flag that resumes a run_dir whatever its checkpoint's config says."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.config import WANDB_INSTALL, WandbConfig
+from core.recipe.config import WANDB_INSTALL, WandbConfig
 
 ID_FILE = "wandb_id"
 """The W&B run id of a run_dir, kept there so that every launch in it continues the one run."""

@@ -50,7 +50,7 @@ import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data import wds_compat
+from core.compat import webdataset as wds_compat
 from data.cursor import StreamCursor, start_position
 from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS, decode_rgb, image_field, read_label
 from data.order import TrainOrder
@@ -284,8 +284,9 @@ class _ShardStream(IterableDataset):
             yield batch
 
 
-# Object-store schemes go into webdataset's gopen table once its internals have been checked (data/wds_compat.py):
-# at import, so that DataLoader workers, forked from a fork server that imports this module, have them too.
+# Object-store schemes go into webdataset's gopen table once its internals have been checked
+# (core/compat/webdataset.py): at import, so that DataLoader workers, forked from a fork server that imports this
+# module, have them too.
 wds_compat.install()
 
 

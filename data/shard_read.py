@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from data import wds_compat
+from core.compat import webdataset as wds_compat
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A spec is a directory with an `index.json`, a brace pattern, a glob, a single path or URL, or a list of them. A
 training spec may instead be a mixture: a list of entries with `shards` (a spec) and `weight`, as `data.train`
-holds them (`core.config.TrainSource`); each becomes one `WeightedShards` source of the training stream.
+holds them (`core.recipe.config.TrainSource`); each becomes one `WeightedShards` source of the training stream.
 """
 
 import glob
@@ -144,7 +144,7 @@ def train_sources(spec: str | list[str] | list[Any]) -> list[WeightedShards]:
 
     Args:
         spec: A shard spec, which is one source of weight 1, or a mixture: a list of entries with `shards` (a
-            shard spec) and `weight` attributes, as `data.train` holds them (`core.config.TrainSource`).
+            shard spec) and `weight` attributes, as `data.train` holds them (`core.recipe.config.TrainSource`).
     """
     if is_mixture(spec):
         return [WeightedShards(resolve_shards(entry.shards), float(entry.weight)) for entry in spec]

@@ -25,7 +25,7 @@ from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import to_2tuple
 from torchvision import transforms as T
 
-from core.timm_compat import posterize_at_least_1_bit
+from core.compat.timm import posterize_at_least_1_bit
 from data.decode import ReducedImage, decode_rgb_reduced, to_rgb
 from data.device import EraseBoxes, normalisation
 

@@ -17,7 +17,7 @@ from core.engine.failure import run_guarded
 from core.engine.loop import LoopHooks
 from core.engine.run import finish_stage, run_loop, seed_everything, start_engine, start_stage
 from core.engine.stream import train_stream
-from core.models import build_model
+from core.models.build import build_model
 from data.mixing import build_mix, mixed
 from data.specs import dataset_classes
 from data.transforms import eval_transform, finetune_train_transform

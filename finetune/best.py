@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from core.engine.gather import export_state_dict, gather_state_dict
-from core.engine.run import StageRun
+from core.engine.stage import StageRun
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
 from finetune.classification import Classification

@@ -12,8 +12,8 @@ decoder, mask token and other non-encoder tensors are dropped and listed in the 
 
 A hybrid ViT's weights (timm's `vit_*_r*` layout) are told by the ResNetV2 in front (`model.hybrid_backbone`
 resnet_stem, r26 or r50, from its stages), whose stride gives the image size. T2T-ViT and VT-ResNet weights in our
-layout (core/t2t_vit.py, core/vt.py; told by `tokens_to_token.*` and `layer4.*.transformer.*` keys) are converted the
-same way: the structure is read from the weights and matched to a registered variant (`t2t_vit_14` ...
+layout (core/models/t2t_vit.py, core/models/vt.py; told by `tokens_to_token.*` and `layer4.*.transformer.*` keys) are
+converted the same way: the structure is read from the weights and matched to a registered variant (`t2t_vit_14` ...
 `t2t_vit_t_24`, `vt_resnet18` ... `vt_resnet101`; a T2T-ViT of another width needs `--num-heads`). What the weights
 cannot show takes the variant's default: T2T's image size (224 px; its position table is fixed, never stored, and
 rebuilt for any size) and pooling (class token).
@@ -33,9 +33,10 @@ from timm.models import VisionTransformer
 from torch import nn
 
 from core.engine.export import export_model
-from core.models import HYBRID_ARCHITECTURES, HYBRID_STRIDES, model_args
-from core.t2t_vit import VARIANTS as T2T_VARIANTS
-from core.vt import VARIANTS as VT_VARIANTS
+from core.models.build import model_args
+from core.models.t2t_vit import VARIANTS as T2T_VARIANTS
+from core.models.vt import VARIANTS as VT_VARIANTS
+from core.recipe.geometry import HYBRID_ARCHITECTURES, HYBRID_STRIDES
 from finetune.checkpoints import Checkpoint, has_module, read_checkpoint
 from finetune.handoff import LoadReport, load_encoder
 
@@ -223,7 +224,7 @@ def infer_hybrid_backbone(state: dict[str, torch.Tensor]) -> tuple[str, int] | N
     a plain ViT.
 
     Raises:
-        ValueError: ResNetV2 stages of none of `core.models.HYBRID_ARCHITECTURES`.
+        ValueError: ResNetV2 stages of none of `core.recipe.geometry.HYBRID_ARCHITECTURES`.
     """
     prefix = "patch_embed.backbone."
     if "patch_embed.backbone.conv.weight" in state:  # the stem alone: (64, C, 7, 7)
@@ -241,7 +242,7 @@ def infer_hybrid_backbone(state: dict[str, torch.Tensor]) -> tuple[str, int] | N
 
 
 def infer_t2t_args(state: dict[str, torch.Tensor], num_heads: int | None) -> tuple[str, dict]:
-    """(the registered T2T-ViT variant, its arguments) that the weights in our layout show (core/t2t_vit.py).
+    """(the registered T2T-ViT variant, its arguments) that the weights in our layout show (core/models/t2t_vit.py).
 
     Raises:
         ValueError: A backbone width of no variant without `num_heads`, or a `num_heads` that does not divide it.
@@ -276,7 +277,7 @@ def infer_t2t_args(state: dict[str, torch.Tensor], num_heads: int | None) -> tup
 
 
 def infer_vt_args(state: dict[str, torch.Tensor]) -> tuple[str, dict]:
-    """(the registered VT-ResNet variant, its arguments) that the weights in our layout show (core/vt.py).
+    """(the registered VT-ResNet variant, its arguments) that the weights in our layout show (core/models/vt.py).
 
     Raises:
         ValueError: ResNet stages or VT modules that match no variant.

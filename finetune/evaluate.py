@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from core.engine import preempt
 from core.engine.distributed import DistInfo, all_reduce
-from core.engine.loop import to_device
+from core.engine.precision import to_device
 from core.metrics import topk_correct
 from core.pictures import labelled_matrix
 

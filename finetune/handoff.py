@@ -32,10 +32,11 @@ import torch
 from timm.layers import resample_abs_pos_embed, resample_patch_embed, to_2tuple
 from timm.models import VisionTransformer
 
-from core.config import Config
-from core.models import sincos_pos_embed_2d
-from core.t2t_vit import T2TViT, soft_split_grid
-from core.vt import VTResNet
+from core.models.pos_embed import sincos_pos_embed_2d
+from core.models.t2t_vit import T2TViT
+from core.models.vt import VTResNet
+from core.recipe.config import Config
+from core.recipe.geometry import soft_split_grid
 from finetune.checkpoints import (
     Checkpoint,
     checkpoint_keys,
@@ -129,7 +130,8 @@ def load_encoder(
 
     Args:
         model: The fine-tuning timm ViT (any patch grid or patch size, any pooling, any number of classes; a
-            `VisionTransformerDistilled` or a hybrid too), or a T2TViT / VTResNet (core/t2t_vit.py, core/vt.py).
+            `VisionTransformerDistilled` or a hybrid too), or a T2TViT / VTResNet (core/models/t2t_vit.py,
+            core/models/vt.py).
         path: Our export folder, an official MAE / DeiT checkpoint, or a timm state dict (.pth, .bin, .safetensors).
         head_init: For a classifier the checkpoint does not provide: "zero" weight and bias (ViT paper),
             "trunc_normal" weight with `head_init_std` and zero bias (MAE), or "keep" timm's init.

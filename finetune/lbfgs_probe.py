@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from core.config import load_config
-from core.engine.loop import autocast_context
-from core.models import build_model
+from core.engine.precision import autocast_context
+from core.models.build import build_model
+from core.recipe.config import load_config
 from data.device import batch_to_device
 from data.pipeline import make_eval_loader
 from data.specs import dataset_classes, resolve_shards

@@ -15,9 +15,9 @@ import os
 import torch
 from torch import nn
 
-from core.config import Config
-from core.models import build_model
+from core.models.build import build_model
 from core.preflight import Findings, describe_spec, shard_specs
+from core.recipe.config import Config
 from data.decode import image_field, read_label
 from data.index import shard_samples
 from data.specs import dataset_classes, resolve_shards

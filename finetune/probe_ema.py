@@ -24,7 +24,7 @@ from torch import nn
 
 _BN_EPS = 1e-6  # MAE's linear-probe batch norm
 CLASSIFIER_NAMES = ("head", "fc")
-"""Where the timm models of `core.models.build_model` keep their Linear classifier (VT-ResNet: `fc`)."""
+"""Where the timm models of `core.models.build.build_model` keep their Linear classifier (VT-ResNet: `fc`)."""
 
 
 def make_linear_probe(model: nn.Module) -> nn.Module:

@@ -8,9 +8,9 @@ import timm
 import torch
 from torch import nn
 
-from core.config import Config
 from core.engine.setup import set_attention
-from core.sections import DistillConfig
+from core.recipe.config import Config
+from core.recipe.sections import DistillConfig
 from finetune.handoff import load_encoder
 
 

@@ -10,7 +10,7 @@ import torch
 from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 
-from core.t2t_vit import T2TViT
+from core.models.t2t_vit import T2TViT
 
 
 def check_encoder(encoder: VisionTransformer | T2TViT, objective: str, *, token_pool: bool = False) -> None:

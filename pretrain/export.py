@@ -4,33 +4,12 @@ ZeRO stage, in timm's Hugging Face layout (config.json + model.safetensors + mim
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-
-from core.config import Config, load_config
-from core.engine import ds_compat
 from core.engine.checkpoint import resumable_tag
-from core.engine.fp16 import zero0_masters_from_checkpoint
-from core.engine.gather import export_state_dict
-
-
-def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
-    """fp32 weights of the whole objective from a DeepSpeed checkpoint, without starting any process group."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    ds_compat.check("checkpoint_files", "zero0_fp16_masters")
-    if zero_stage == 0:
-        path = ckpt_dir / tag / ds_compat.MODEL_STATES_FILE
-        states = torch.load(path, map_location="cpu", weights_only=False)
-        weights = {k: v.float() for k, v in states["module"].items()}
-        if ds_compat.checkpoint_fp32_groups(states) is not None:  # fp16: the module is the fp16 copy
-            weights.update(zero0_masters_from_checkpoint(states, path))
-        return weights
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+from core.engine.gather import consolidated_state_dict, export_state_dict
+from core.recipe.config import Config, load_config
 
 
 def pretrain_manifest(cfg: Config, *, step: int, source: str, objective_keys: Iterable[str]) -> dict:

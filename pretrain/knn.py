@@ -32,9 +32,9 @@ from torch import nn
 
 from core.engine import preempt
 from core.engine.distributed import DistInfo, all_gather_rows, all_reduce
-from core.engine.loop import autocast_context, to_device
+from core.engine.precision import autocast_context, to_device
 from core.metrics import topk_correct
-from core.sections import KNNConfig
+from core.recipe.sections import KNNConfig
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
 from data.transforms import eval_transform

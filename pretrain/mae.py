@@ -19,7 +19,7 @@ from timm.models import checkpoint_seq
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-from core.models import sincos_pos_embed_2d
+from core.models.pos_embed import sincos_pos_embed_2d
 from core.pictures import image_grid
 from pretrain.encoder import check_encoder, forward_encoder, patch_positions
 
@@ -216,7 +216,7 @@ class MAE(nn.Module):
         patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # image order
         # Casting the parameters to fp16 leaves this fixed buffer fp32: add it in x's dtype
         x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed.to(x.dtype)  # (B, 1 + L, Dd)
-        # engine.activation_checkpointing (the encoder's timm switch, set in core/models.py) covers the decoder too
+        # engine.activation_checkpointing (the encoder's timm switch, set in core/models/vit.py) covers the decoder too
         x = checkpoint_seq(self.decoder_blocks, x) if self.encoder.grad_checkpointing else self.decoder_blocks(x)
         x = self.decoder_norm(x)  # (B, 1 + L, Dd)
         return self.decoder_pred(x)[:, 1:]  # (B, L, P)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from torch import nn
 
-from core.config import Config
 from core.manifest import MANIFEST_NAME
-from core.models import build_model
-from core.sections import BEiTObjective, BlockwiseMask, SimMIMObjective
+from core.models.build import build_model
+from core.recipe.config import Config
+from core.recipe.sections import BEiTObjective, BlockwiseMask, SimMIMObjective
 from data.masking import BlockwiseMaskGenerator, RandomMaskGenerator, UnitMaskGenerator
 from data.transforms import TwoViewCropFlip, WithMask, pretrain_transform
 from pretrain.beit import MaskedPatchPrediction

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from core.config import Config
-from core.engine.loop import autocast_context, to_device
+from core.engine.precision import autocast_context, to_device
 from core.pictures import bar_chart, image_grid, upscale_nearest
+from core.recipe.config import Config
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
 from data.transforms import CentreCrop, WithMask, eval_transform

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from core.config import Config
 from core.preflight import Findings, check_split
-from core.sections import BEiTObjective
+from core.recipe.config import Config
+from core.recipe.sections import BEiTObjective
 
 
 def check(cfg: Config, findings: Findings, world_size: int) -> None:

@@ -28,7 +28,7 @@ from timm.layers import PatchEmbed, trunc_normal_
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from core.t2t_vit import T2TViT
+from core.models.t2t_vit import T2TViT
 from pretrain.encoder import check_encoder, embed_tokens, forward_encoder, patch_positions, token_grid
 
 

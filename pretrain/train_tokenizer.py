@@ -13,14 +13,16 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from core.config import Config
 from core.engine.distributed import all_reduce
 from core.engine.export import atomic_folder, check_replaceable
 from core.engine.gather import gather_state_dict
-from core.engine.loop import LoopHooks, autocast_context
-from core.engine.run import StageRun, finish_stage, run_loop, seed_everything, start_engine
+from core.engine.loop import LoopHooks
+from core.engine.precision import autocast_context
+from core.engine.run import finish_stage, run_loop, seed_everything, start_engine
+from core.engine.stage import StageRun
 from core.engine.stream import train_stream
-from core.sections import VQVAEObjective
+from core.recipe.config import Config
+from core.recipe.sections import VQVAEObjective
 from data.transforms import eval_transform, pretrain_transform
 from pretrain.pictures import code_usage, code_usage_picture, fixed_batch
 from pretrain.tokenizer import KIND, MANIFEST_NAME, VQVAE, WEIGHTS_NAME, tokenizer_grid

@@ -62,7 +62,7 @@ def write_recipe(path: Path, recipe: dict) -> Path:
 
 def pinned_device(recipe: Path, overrides: Sequence[str] = ()) -> str:
     """The `engine.device` the recipe file runs on with command-line `overrides` (the last `engine.device=` one
-    wins, as in core/config.py).
+    wins, as in core/recipe/config.py).
 
     Raises:
         ValueError: If that is `auto` or unset (a recipe with a `base:` must then say it itself).

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import bench_quality as bq
 from benchmarks import quality_report as qr
-from core.config import load_config
+from core.recipe.config import load_config
 
 BENCH = Path(__file__).resolve().parents[2] / "recipes" / "bench"
 

@@ -25,8 +25,8 @@ from benchmarks.smoke_recipes import (
     stage_overrides,
     write_jpeg_shards,
 )
-from core.config import load_config
-from core.models import sincos_pos_embed_2d
+from core.models.pos_embed import sincos_pos_embed_2d
+from core.recipe.config import load_config
 
 pytestmark = pytest.mark.dist
 

@@ -12,15 +12,11 @@ one `.tolist()`, at steps every rank picks alike (core/engine/loop.py: logging, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from core.engine import preempt
 from core.engine.distributed import all_reduce
-
-if TYPE_CHECKING:
-    from core.engine.train_state import TrainState
+from core.engine.train_state import TrainState
 
 
 class StepAgreement:

@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from core.engine import ds_compat
+from core.compat import deepspeed as ds_compat
 from core.engine.ckpt_files import (
     COMPLETE,
     LATEST,

@@ -29,7 +29,7 @@ import torch
 from timm.layers import DropPath
 from torch import nn
 
-from core.config import Config
+from core.recipe.config import Config
 
 BLOCK_CONTAINERS = ("blocks", "decoder_blocks")
 """Attributes holding an objective's repeated blocks: timm's and T2T-ViT's encoder `blocks`, MAE's decoder."""

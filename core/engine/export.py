@@ -27,7 +27,7 @@ import torch
 from timm.layers import Attention
 from timm.models import VisionTransformer
 
-from core import timm_compat
+from core.compat import timm as timm_compat
 from core.engine.ckpt_files import fsync_path
 from core.manifest import MANIFEST_NAME
 

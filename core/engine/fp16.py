@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.engine.ds_compat import checkpoint_fp32_groups, full_shape, zero0_groups
+from core.compat.deepspeed import checkpoint_fp32_groups, full_shape, zero0_groups
 
 MASTER_NAMES = "fp32_master_names"
 """Client-state key of a ZeRO-0 fp16 checkpoint: the parameter names of each of the optimizer's fp32 groups."""

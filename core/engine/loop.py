@@ -13,31 +13,27 @@ see core/engine/preempt.py), how long the non-finite streak is, and whether a st
 
 from __future__ import annotations
 
-import contextlib
 import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from core.config import Config
+from core.compat.deepspeed import loss_scale, scales_loss_itself, skipped_steps
 from core.engine import preempt
 from core.engine.agreement import StepAgreement
 from core.engine.checkpoint import RNGState, SaveOutcome, save_checkpoint
 from core.engine.compiled import compile_seconds
 from core.engine.distributed import all_reduce
-from core.engine.ds_compat import loss_scale, scales_loss_itself, skipped_steps
+from core.engine.precision import to_device
 from core.engine.rollback import SpikeWatch, roll_back
 from core.engine.schedule import lr_at
+from core.engine.stage import StageRun
 from core.engine.stream import num_train_shards
 from core.engine.train_state import TrainState
 from core.engine.utilisation import start_meter
-from data.device import batch_to_device
-
-if TYPE_CHECKING:
-    from core.engine.run import StageRun
+from core.recipe.config import Config
 
 
 class NonFiniteLossError(RuntimeError):
@@ -46,23 +42,6 @@ class NonFiniteLossError(RuntimeError):
 
 class PreemptedError(RuntimeError):
     """A rank received SIGTERM: every rank stopped after the same step and saved a checkpoint of it."""
-
-
-def autocast_context(precision: str, device: torch.device):
-    """bf16 autocast for forwards that do not go through `engine(...)` (which enters its own, see setup.py): the kNN
-    monitor's encoder, the pictures, the FLOP count."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def to_device(batch: dict, device: torch.device, precision: str) -> dict:
-    """The model's input: the batch copied, its uint8 images normalised, erased and mixed on `device` in float32
-    (`data.device.batch_to_device`, shared by every path that feeds a model), then cast to half under fp16."""
-    out = batch_to_device(batch, device)
-    if precision == "fp16":
-        out = {k: v.half() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in out.items()}
-    return out
 
 
 def _max_memory_gb(device: torch.device) -> float:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from core.config import Config
 from core.engine.distributed import DistInfo
 from core.engine.setup import resolve_attention
-from core.sections import TrainSource
+from core.recipe.config import Config
+from core.recipe.sections import TrainSource
 from data.specs import dataset_size, describe_shards
 
 

@@ -19,16 +19,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import TYPE_CHECKING
 
 import torch
 
 from core.engine.checkpoint import best_checkpoint
 from core.engine.ckpt_files import step_of
 from core.engine.distributed import all_reduce
-
-if TYPE_CHECKING:
-    from core.engine.run import StageRun
+from core.engine.stage import StageRun
 
 WATCHED = ("train/loss", "train/grad_norm")
 

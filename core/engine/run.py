@@ -7,19 +7,17 @@ from __future__ import annotations
 import argparse
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from core.config import Config, dump_config, load_config
+from core.compat.deepspeed import is_partitioned, partition_report
 from core.engine import preempt
 from core.engine.checkpoint import RNGState, find_resume, load_checkpoint, load_states
 from core.engine.compiled import describe_compiled
 from core.engine.distributed import DistInfo, init_distributed, shutdown
-from core.engine.ds_compat import is_partitioned, partition_report
 from core.engine.failure import StageExit, log_tracebacks_to
 from core.engine.loop import LoopHooks, NonFiniteLossError, PreemptedError, train
 from core.engine.parent_death import die_with_launcher
@@ -27,9 +25,11 @@ from core.engine.plan import launch_plan
 from core.engine.preempt import EXIT_PREEMPTED
 from core.engine.rollback import TooManyRollbacksError
 from core.engine.setup import parallelize
+from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
 from core.engine.utilisation import device_peak
 from core.logging import MetricsLogger
+from core.recipe.config import Config, dump_config, load_config
 from core.rundir import ALLOW_FLAG, Relaunch, keep_launch_config, mark_finished, relaunch
 from data.specs import dataset_size
 from data.workers import start_fork_server
@@ -40,28 +40,6 @@ EXIT_NONFINITE = 3
 EXIT_REFUSED = 2
 """Process exit code of a launch refused before training: the run_dir holds a run of another config (as launch.sh's
 pre-flight exits)."""
-
-
-@dataclass
-class StageRun:
-    """Everything a stage entry point holds between its sections, and what the loop runs on."""
-
-    cfg: Config
-    recipe: str
-    dist: DistInfo
-    run_dir: Path
-    config_yaml: str
-    """The resolved config as run_dir/config.yaml holds it; every checkpoint saves it too."""
-    samples: int | None
-    total_steps: int
-    warmup_steps: int
-    resume: dict | None
-    state: TrainState
-    logger: MetricsLogger
-    peak: tuple[float | None, str] | None = None
-    """perf/mfu's peak TFLOP/s of one device and where it came from (`device_peak`), found by `start_stage` before the
-    data workers start, which would take CPU from a matmul measured while they fill their first batches; None: the
-    loop finds it."""
 
 
 def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config], None] | None = None) -> StageRun:

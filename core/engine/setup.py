@@ -13,13 +13,13 @@ from timm.layers import Attention
 from timm.optim import Lars, param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
 
-from core import timm_compat
-from core.config import Config
-from core.engine import ds_compat
+from core.compat import deepspeed as ds_compat
+from core.compat import timm as timm_compat
 from core.engine.compiled import compile_batch_sizes, compile_blocks
 from core.engine.distributed import DistInfo, all_reduce
 from core.engine.zero3_runtime import gather_per_block, use_linear32
 from core.engine.zero_init import build_partitioned
+from core.recipe.config import Config
 
 
 class Guarded:
@@ -251,7 +251,7 @@ def parallelize(
     from deepspeed.accelerator import get_accelerator
 
     ds_compat.check(*ds_compat.needed(cfg.engine.zero_stage, cfg.engine.precision))  # a changed internal stops here
-    timm_compat.check()  # likewise timm's (data/wds_compat.py checks webdataset's when the pipeline is imported)
+    timm_compat.check()  # likewise timm's (core/compat/webdataset.py checks webdataset's when the pipeline is imported)
     if cfg.engine.precision == "fp16" and not get_accelerator().is_fp16_supported():
         raise ValueError(
             f"engine.precision fp16: DeepSpeed's {get_accelerator().device_name()} accelerator has no fp16 on this "

@@ -4,18 +4,15 @@ it (data/cursor.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from torch.utils.data import DataLoader
 
-from core.config import Config
 from core.engine.checkpoint import saved_states
 from core.engine.distributed import DistInfo
+from core.engine.stage import StageRun
+from core.recipe.config import Config
 from data.pipeline import make_train_loader
 from data.specs import train_sources
-
-if TYPE_CHECKING:
-    from core.engine.run import StageRun
 
 
 def train_stream(run: StageRun, transform: Callable, *, labels: bool) -> Iterator[dict]:

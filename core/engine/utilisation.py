@@ -16,7 +16,6 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,12 +27,11 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from core.compat.deepspeed import is_partitioned
 from core.engine.checkpoint import RNGState
-from core.engine.ds_compat import is_partitioned
+from core.engine.precision import autocast_context, to_device
 from core.engine.setup import set_attention
-
-if TYPE_CHECKING:
-    from core.engine.run import StageRun
+from core.engine.stage import StageRun
 
 # Dense (no sparsity) bf16 tensor-core TFLOP/s per GPU, from NVIDIA's datasheets: H100 SXM / PCIe and H200
 # ("NVIDIA H100 Tensor Core GPU" and "NVIDIA H200" datasheets), A100 ("NVIDIA A100 Tensor Core GPU"), L4, A10, and
@@ -105,7 +103,6 @@ def count_step_flops(module: nn.Module, batch: dict, *, precision: str, device: 
         DataDependentOutputException, DynamicOutputShapeException: the step reads tensor values on the host (an
             `.item()`, a boolean-mask index); fake tensors have none.
     """
-    from core.engine.loop import autocast_context  # the loop imports this module
 
     rng = RNGState().state_dict()
     fake = FakeTensorMode()
@@ -194,7 +191,6 @@ def start_meter(run: StageRun, module: nn.Module, batches: Iterator[dict]) -> tu
     Returns:
         (the meter, or None when perf/mfu cannot be logged; `batches` with its first micro-batch put back).
     """
-    from core.engine.loop import to_device  # the loop imports this module
 
     cfg, dist, logger = run.cfg, run.dist, run.logger
     precision = cfg.engine.precision

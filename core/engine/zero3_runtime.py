@@ -8,7 +8,7 @@ removed here without changing a number:
    mixed-precision pass. `Linear32` keeps the memory saving and runs the forward as `F.linear` does.
 3. Two passes over the gradients in the optimizer step that are identities without clipping or loss scaling (the
    global norm and the unscale); `skip_identity_grad_passes` drops them. It patches the ZeRO-3 optimizer's
-   private methods, so it lives with the other DeepSpeed patches in `ds_compat.py`.
+   private methods, so it lives with the other DeepSpeed patches in `core/compat/deepspeed.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from core.engine.ds_compat import full_shape, is_released
+from core.compat.deepspeed import full_shape, is_released
 
 
 def gather_per_block(objective: nn.Module) -> int:

@@ -29,7 +29,7 @@ from timm.models import named_apply
 from timm.models.vision_transformer import VisionTransformer, init_weights_vit_timm
 from torch import nn
 
-from core.engine.ds_compat import is_zero3_param
+from core.compat.deepspeed import is_zero3_param
 
 
 @contextlib.contextmanager

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
-from core.config import dump_config, load_config
 from core.engine.checkpoint import RNGState, find_resume, load_checkpoint, load_states
 from core.engine.distributed import init_distributed
 from core.engine.loop import LoopHooks, train
 from core.engine.rollback import TooManyRollbacksError
-from core.engine.run import StageRun
 from core.engine.setup import parallelize
+from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
 from core.logging import MetricsLogger
+from core.recipe.config import dump_config, load_config
 from data.pipeline import zero_counts
 from tests.dist.nonfinite_worker import Toy
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from core.config import dump_config, load_config
-from core.engine import ds_compat
+from core.compat import deepspeed as ds_compat
 from core.engine.checkpoint import find_resume, load_checkpoint, save_checkpoint
 from core.engine.distributed import init_distributed
 from core.engine.setup import parallelize
 from core.engine.train_state import TrainState
+from core.recipe.config import dump_config, load_config
 from pretrain.objectives import objective_builder
 
 OVERRIDES = [

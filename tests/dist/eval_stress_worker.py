@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from core.engine.distributed import DistInfo, all_gather_rows, all_reduce
-from core.models import build_vit
+from core.models.vit import build_vit
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
 from data.transforms import eval_transform

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.config import dump_config, load_config
 from core.engine.distributed import init_distributed
 from core.engine.fp16 import fp32_master_weights
 from core.engine.loop import LoopHooks, NonFiniteLossError, train
-from core.engine.run import StageRun
 from core.engine.setup import parallelize
+from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
 from core.logging import MetricsLogger
+from core.recipe.config import dump_config, load_config
 from data.pipeline import zero_counts
 from tests.dist.cpu_fp16 import allow_cpu_fp16
 

@@ -14,9 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from core.config import load_config
 from core.engine.distributed import init_distributed, shutdown
 from core.engine.stream import train_loader
+from core.recipe.config import load_config
 from data.transforms import eval_transform
 from tests.launching import position_after
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.engine.ds_compat import universal_command
+from core.compat.deepspeed import universal_command
 from tests.launching import torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.faults]  # a relaunch at other world sizes: `make test-faults`

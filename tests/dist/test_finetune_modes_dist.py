@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from core.engine.export import export_model
-from core.models import build_vit, vit_model_args
+from core.models.vit import build_vit, vit_model_args
 from tests.dist.test_finetune_dist import finetune_recipe
 from tests.launching import launch, read_metrics, write_recipe
 

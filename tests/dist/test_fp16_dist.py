@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from core.engine.export import export_model
-from core.models import build_vit, vit_model_args
+from core.models.vit import build_vit, vit_model_args
 from tests.launching import REPO, finetune_recipe, pretrain_recipe, read_metrics, torchrun, write_recipe
 
 pytestmark = pytest.mark.dist
@@ -84,7 +84,7 @@ def test_fp16_trains_like_bf16_at_zero2_and_zero3_and_hands_off(zero2_run, shard
 @pytest.mark.faults
 def test_fp16_overflow_skips_steps_and_halves_the_scale_at_zero0(shards, tmp_path):
     """Starting at 2^20 the scaled gradients overflow fp16: DeepSpeed skips those steps and halves the scale each
-    time until the gradients fit, then trains. At ZeRO-0 only the loop scales the loss (core/engine/ds_compat.py,
+    time until the gradients fit, then trains. At ZeRO-0 only the loop scales the loss (core/compat/deepspeed.py,
     `zero0_fp16_loss_scale`): without it nothing would overflow here, and every update would be 2^20 times too small."""
     run_dir = pretrain_fp16(shards, tmp_path, "zero0", zero_stage=0, fp16_initial_scale_power=20)
     metrics = [m for m in read_metrics(run_dir) if "train/loss" in m]

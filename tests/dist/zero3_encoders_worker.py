@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from core.config import load_config
+from core.compat.deepspeed import partition_sizes
 from core.engine.distributed import init_distributed
-from core.engine.ds_compat import partition_sizes
 from core.engine.setup import deepspeed_config
 from core.engine.zero_init import build_partitioned, gathered
-from core.models import build_model
+from core.models.build import build_model
+from core.recipe.config import load_config
 
 ARCHS = {
     "vit_hybrid": "model.arch=vit_hybrid model.hybrid_backbone=resnet_stem model.patch_size=2",

@@ -12,12 +12,12 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from core.config import load_config
+from core.compat.deepspeed import partition_sizes
 from core.engine.distributed import init_distributed
-from core.engine.ds_compat import partition_sizes
 from core.engine.setup import build_optimizer, deepspeed_config, parallelize
 from core.engine.zero_init import build_partitioned, gathered
-from core.models import sincos_pos_embed_2d
+from core.models.pos_embed import sincos_pos_embed_2d
+from core.recipe.config import load_config
 from pretrain.objectives import objective_builder
 
 MODEL = "model.size=tiny model.embed_dim=32 model.depth=2 model.num_heads=2 model.img_size=16 model.patch_size=4"

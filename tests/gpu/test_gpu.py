@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.models import build_vit
+from core.models.vit import build_vit
 from pretrain.mae import MAE
 from tests.launching import TINY_MODEL, launch, losses, pretrain_recipe, write_recipe
 

@@ -1,4 +1,4 @@
-"""Tiny timm ViTs (from `core.models.build_vit`) with seeded random weights, for tests that need a model but not its
+"""Tiny timm ViTs (from `core.models.vit.build_vit`) with seeded random weights, for tests that need a model but not its
 size."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from core.models import build_vit
+from core.models.vit import build_vit
 from tests.launching import TINY_MODEL
 
 # 16 px images in 4 px patches (a 4x4 grid), 32 wide, 2 blocks of 2 heads: the recipes' model in tests/dist.

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import load_config
+from core.recipe.config import load_config
 
 BENCH = Path(__file__).resolve().parents[2] / "recipes" / "bench"
 

@@ -367,8 +367,8 @@ def _encoder(arch: str, **kwargs):
 def test_convert_t2t_and_vt_weights_round_trip_through_timm(tmp_path, capsys, source_kind, arch, flags):
     """The structure (Performer T2T layers, depth, width, token width; VT's ResNet stages, VT modules, classes) is
     read from the weights: the rebuilt model gives the source's outputs exactly, BatchNorm statistics included."""
-    import core.models  # noqa: F401  (registers t2t_vit_* and vt_resnet*)
-    from core.models import model_args
+    import core.models.vit  # noqa: F401  (registers t2t_vit_* and vt_resnet*)
+    from core.models.build import model_args
 
     source = _encoder(arch)
     if arch.startswith("vt"):  # running statistics that are not the defaults, so the test sees them carried over
@@ -408,7 +408,7 @@ def test_convert_t2t_and_vt_weights_round_trip_through_timm(tmp_path, capsys, so
     ],
 )
 def test_convert_t2t_and_vt_errors_name_the_problem(tmp_path, capsys, arch, flags, expected):
-    import core.models  # noqa: F401
+    import core.models.vit  # noqa: F401
 
     safetensors.torch.save_file(state_of(_encoder(arch)), tmp_path / "weights.safetensors")
 
@@ -418,7 +418,7 @@ def test_convert_t2t_and_vt_errors_name_the_problem(tmp_path, capsys, arch, flag
 
 
 def test_convert_vt_of_no_variant_names_its_stages(tmp_path, capsys):
-    import core.models  # noqa: F401
+    import core.models.vit  # noqa: F401
 
     state = state_of(_encoder("vt_resnet18"))
     state = {k: v for k, v in state.items() if not k.startswith("layer3.1.")}  # one block short of ResNet-18's stage
@@ -436,7 +436,7 @@ def test_convert_vt_of_no_variant_names_its_stages(tmp_path, capsys):
 def test_convert_hybrid_state_dict_reads_its_backbone_and_image_size(tmp_path, backbone, img_size, arch):
     """A hybrid's patch embedding reads the ResNetV2's feature map: the backbone is told by its stages, and the image
     size is the position grid x the patch x the backbone's stride (resnet_stem 4, r26 32)."""
-    from core.models import build_vit
+    from core.models.vit import build_vit
 
     torch.manual_seed(0)
     source = build_vit(

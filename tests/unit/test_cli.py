@@ -1,4 +1,4 @@
-"""The `mimpipe` command (core/cli.py): each command runs what `python -m` runs, with the arguments unchanged;
+"""The `mimpipe` command (core/entry/cli.py): each command runs what `python -m` runs, with the arguments unchanged;
 --help lists the commands and points multi-GPU runs at ./launch.sh; an unknown command is one line and exit 2."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from core import cli
+from core.entry import cli
 from tests.launching import REPO
 
 
 def mimpipe(*args: str) -> subprocess.CompletedProcess:
-    """`mimpipe ARGS` as a process (`python -m core.cli`, the module the console script calls)."""
-    return subprocess.run([sys.executable, "-m", "core.cli", *args], cwd=REPO, capture_output=True, text=True)
+    """`mimpipe ARGS` as a process (`python -m core.entry.cli`, the module the console script calls)."""
+    return subprocess.run([sys.executable, "-m", "core.entry.cli", *args], cwd=REPO, capture_output=True, text=True)
 
 
 def test_help_lists_every_command_and_launch_sh():

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from core import timm_compat
+from core.compat import deepspeed as ds_compat
+from core.compat import timm as timm_compat
+from core.compat import webdataset as wds_compat
 from core.compat.checks import CompatError, Library, code_words, run_checks
-from core.engine import ds_compat
-from data import wds_compat
 
 REPO = Path(__file__).resolve().parents[2]
 LIBRARIES = [ds_compat.DEEPSPEED, timm_compat.TIMM, wds_compat.WEBDATASET]

@@ -7,8 +7,8 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from core.config import ZERO3_COMPILE_REASON, ConfigError, load_config
 from core.engine.compiled import BlockCall, DropPathRate, compile_batch_sizes, compile_blocks, describe_compiled
+from core.recipe.config import ZERO3_COMPILE_REASON, ConfigError, load_config
 from finetune.classification import Classification
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.knn import pooled_features

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.config import ConfigError, dump_config, load_config
+from core.recipe.config import ConfigError, dump_config, load_config
 from data.shard_read import ShardReadPolicy
 
 RECIPES = sorted(Path(__file__).resolve().parents[2].glob("recipes/*.yaml"))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.config import ConfigError, load_config
+from core.recipe.config import ConfigError, load_config
 from data import pipeline
 from data.order import TrainOrder
 from data.pipeline import make_train_loader

@@ -16,7 +16,7 @@ from timm.data.random_erasing import RandomErasing
 from torchvision import transforms as T
 
 import data.pipeline
-from core.engine.loop import to_device
+from core.engine.precision import to_device
 from data.device import EraseBoxes, batch_to_device
 from data.mixing import MixBatches, mixed
 from data.pipeline import make_train_loader

@@ -1,4 +1,4 @@
-"""core/engine/ds_compat.py: every patch's check passes on the installed DeepSpeed, and fails loudly, naming the patch,
+"""core/compat/deepspeed.py: every patch's check passes on the installed DeepSpeed, and fails loudly, naming the patch,
 what changed and the installed version, when the internal it relies on is missing or changed shape. The changes are
 made with monkeypatch on the installed classes and modules (an attribute removed, a method swapped for a stand-in),
 so each case is a DeepSpeed release that differs in exactly that internal."""
@@ -18,11 +18,11 @@ import deepspeed
 import pytest
 import torch
 
-from core.config import load_config
-from core.engine import ds_compat
+from core.compat import deepspeed as ds_compat
+from core.compat.deepspeed import PATCHES, DeepSpeedCompatError
 from core.engine.distributed import DistInfo
-from core.engine.ds_compat import PATCHES, DeepSpeedCompatError
 from core.engine.setup import parallelize
+from core.recipe.config import load_config
 from pretrain.mae import MAE
 from tests.compat_checks import assert_check_fails
 from tests.helpers.models import tiny_vit

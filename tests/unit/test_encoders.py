@@ -8,10 +8,10 @@ import timm
 import torch
 from timm.optim import param_groups_layer_decay
 
-import core.models  # noqa: F401  (registers t2t_vit_* and vt_resnet* with timm)
-from core.config import ConfigError, load_config
+import core.models.vit  # noqa: F401  (registers t2t_vit_* and vt_resnet* with timm)
 from core.engine.gather import export_state_dict
-from core.models import build_model
+from core.models.build import build_model
+from core.recipe.config import ConfigError, load_config
 from data.masking import UnitMaskGenerator
 from finetune.classification import Classification
 from finetune.handoff import load_encoder

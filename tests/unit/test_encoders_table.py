@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import load_config
-from core.models import build_model
+from core.models.build import build_model
+from core.recipe.config import load_config
 from finetune.checkpoints import Checkpoint
 from finetune.handoff import fit_problems
 

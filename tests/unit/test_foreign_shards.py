@@ -14,7 +14,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from core.config import load_config
+from core.recipe.config import load_config
 from data.__main__ import inspect_shards, main
 from data.decode import LabelError
 from data.index import index_shards

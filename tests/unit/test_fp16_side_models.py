@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from core.engine.loop import to_device
+from core.engine.precision import to_device
 from finetune.distillation import Distillation
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.targets import TokenizerCodes

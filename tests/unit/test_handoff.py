@@ -8,7 +8,7 @@ import torch
 from timm.layers import resample_patch_embed
 
 from core.engine.export import export_model
-from core.models import sincos_pos_embed_2d
+from core.models.pos_embed import sincos_pos_embed_2d
 from finetune.handoff import load_encoder
 from tests.helpers.models import wide_vit
 

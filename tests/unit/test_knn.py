@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 
 import pretrain.knn as knn_module
-from core.config import ConfigError, load_config
 from core.engine.distributed import DistInfo
-from core.models import build_vit
+from core.models.vit import build_vit
+from core.recipe.config import ConfigError, load_config
 from data.pipeline import make_eval_loader
 from data.specs import sample_quotas
 from data.write import write_shards
@@ -193,7 +193,7 @@ def test_config_errors_name_the_field(overrides, message):
 
 def test_preflight_checks_the_knn_sets_for_images_and_labels(capsys, tmp_path):
     """The bank defaults to data.train, which pretraining reads without labels: the monitor needs them."""
-    from core.launch import main as launch_check
+    from core.entry.launch_check import main as launch_check
     from tests.launching import copy_shards, write_synthetic
 
     train = write_synthetic(tmp_path / "train", "train", 32, 16, seed=0)

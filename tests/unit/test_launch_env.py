@@ -3,7 +3,7 @@
 and GPU nodes; one process per GPU the node may use (CUDA_VISIBLE_DEVICES, the SLURM step); and the refusal to start
 on a node whose GPUs torch cannot use.
 
-PYTHON is a stand-in that runs launch.sh's own Python steps (`-m core.gpus`, `-m core.launch`) with this interpreter
+PYTHON is a stand-in that runs launch.sh's own Python steps (`-m core.gpus`, `-m launch`) with this interpreter
 and, where launch.sh would start torchrun, prints the variables and torchrun's arguments instead. GPU nodes are a
 stand-in nvidia-smi on PATH (tests/launching.py `fake_nvidia_smi`); this machine's torch sees no GPU.
 """

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.config import load_config
+from core.recipe.config import load_config
 from tests.launching import (
     finetune_recipe,
     launch,

@@ -1,4 +1,4 @@
-"""Tests for core/models.py: ViT sizes, rebuild arguments and the sin-cos position embedding."""
+"""Tests for core/models/vit.py: ViT sizes, rebuild arguments and the sin-cos position embedding."""
 
 import json
 import math
@@ -7,7 +7,8 @@ import pytest
 import timm
 import torch
 
-from core.models import VIT_SIZES, build_vit, sincos_pos_embed_2d, vit_model_args
+from core.models.pos_embed import sincos_pos_embed_2d
+from core.models.vit import VIT_SIZES, build_vit, vit_model_args
 
 TINY = dict(embed_dim=64, depth=2, num_heads=4)
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from core.config import load_config
 from core.engine.distributed import DistInfo
 from core.engine.setup import GuardedAdamW, build_optimizer, parallelize, set_attention
+from core.recipe.config import load_config
 from finetune.classification import Classification
 from tests.helpers.models import tiny_vit
 

@@ -17,9 +17,9 @@ import torch
 from deepspeed.runtime import torch_autocast
 from deepspeed.utils import logger as ds_logger
 
-from core.config import load_config
 from core.engine import setup
 from core.engine.setup import parallelize, set_tf32
+from core.recipe.config import load_config
 from pretrain.mae import MAE
 from tests.helpers.models import tiny_vit
 

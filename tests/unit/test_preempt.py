@@ -17,14 +17,15 @@ import torch
 
 import finetune.evaluate as evaluate_module
 import pretrain.knn as knn_module
-from core.config import dump_config, load_config
 from core.engine import loop as loop_module
 from core.engine import preempt
 from core.engine.loop import LoopHooks
-from core.engine.run import StageRun, run_loop
+from core.engine.run import run_loop
 from core.engine.setup import parallelize
+from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
 from core.logging import MetricsLogger
+from core.recipe.config import dump_config, load_config
 from data.pipeline import zero_counts
 from tests.helpers.models import tiny_vit
 from tests.launching import read_metrics

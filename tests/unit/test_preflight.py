@@ -1,6 +1,6 @@
-"""Pre-flight (core/preflight.py and the stages' preflight.py) through `python -m core.launch`, the check launch.sh
-runs before any process starts: each bad input is one line `launch.sh: KEY: ...` naming the file, exit code 2, no
-traceback; good input passes and the plan says what was checked."""
+"""Pre-flight (core/preflight.py and the stages' preflight.py) through `python -m core.entry.launch_check`, the check
+launch.sh runs before any process starts: each bad input is one line `launch.sh: KEY: ...` naming the file, exit code 2,
+no traceback; good input passes and the plan says what was checked."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import safetensors.torch
 import torch
 import yaml
 
-from core.config import dump_config, load_config
-from core.launch import main as launch_check
+from core.entry.launch_check import main as launch_check
+from core.recipe.config import dump_config, load_config
 from core.rundir import mark_finished
 from data.__main__ import main as data_main
 from finetune.preflight import resolve

@@ -7,7 +7,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from core.config import load_config
+from core.recipe.config import load_config
 from finetune.classification import Classification
 from finetune.distillation import Distillation, distillation_loss, to_distilled
 from finetune.probe_ema import WeightEMA, fold_probe_head, make_linear_probe

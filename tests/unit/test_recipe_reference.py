@@ -9,9 +9,9 @@ from typing import Literal
 import pytest
 from pydantic import Field
 
-from core.config import Config, ConfigError
-from core.recipe_reference import REGENERATE, all_keys, explain, main, markdown, tables
-from core.sections import MAEObjective, Section
+from core.recipe.config import Config, ConfigError
+from core.recipe.reference import REGENERATE, all_keys, explain, main, markdown, tables
+from core.recipe.sections import MAEObjective, Section
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +96,7 @@ def test_launch_explain():
 
 
 def test_explain_exit_codes(capsys):
-    """What `python -m core.recipe_reference` (and `./launch.sh --explain`, which runs it) prints and returns."""
+    """What `python -m core.recipe.reference` (and `./launch.sh --explain`, which runs it) prints and returns."""
     assert main(["--explain", "optim.base_lrr"]) == 2
     out, err = capsys.readouterr()
     assert (out, err) == ("", "optim.base_lrr: unknown recipe key (did you mean 'optim.base_lr'?)\n")

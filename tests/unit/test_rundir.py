@@ -11,8 +11,8 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from core.config import dump_config, load_config
 from core.logging import MetricsLogger, cut_metrics
+from core.recipe.config import dump_config, load_config
 from core.rundir import (
     ALLOW_FLAG,
     MAY_CHANGE,

@@ -16,12 +16,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from core.compat.webdataset import open_shard, tar_samples
 from data import sources
 from data.pipeline import make_eval_loader, make_train_loader
 from data.shard_read import ShardCounts, ShardReadError, ShardReadPolicy, TooManySkippedShardsError, read_shard
 from data.specs import resolve_shards
 from data.transforms import eval_transform, pretrain_transform
-from data.wds_compat import open_shard, tar_samples
 from data.write import write_shards
 
 NUM_SHARDS, SHARD_SIZE, SIZE = 4, 12, 8

@@ -1,4 +1,5 @@
-"""Tests for core/t2t_vit.py: sizes and parameter counts per variant, gradients, position table, timm round trip."""
+"""Tests for core/models/t2t_vit.py: sizes and parameter counts per variant, gradients, position table, timm round
+trip."""
 
 import pytest
 import safetensors.torch
@@ -6,8 +7,9 @@ import timm
 import torch
 from timm.optim import param_groups_layer_decay
 
-from core.models import sincos_pos_embed_2d
-from core.t2t_vit import VARIANTS, T2TViT, sincos_pos_embed_1d, soft_split_grid
+from core.models.pos_embed import sincos_pos_embed_2d
+from core.models.t2t_vit import VARIANTS, T2TViT, sincos_pos_embed_1d
+from core.recipe.geometry import soft_split_grid
 
 TINY = dict(depth=2, num_classes=10)  # the T2T module at full width, a 2-block backbone
 

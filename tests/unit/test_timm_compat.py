@@ -1,4 +1,4 @@
-"""core/timm_compat.py: every patch's check passes on the installed timm, and fails loudly, naming the patch, what
+"""core/compat/timm.py: every patch's check passes on the installed timm, and fails loudly, naming the patch, what
 changed and the installed version, when the internal it relies on is missing or behaves otherwise (monkeypatch on
 the installed modules: a timm release that differs in exactly that internal). The patches themselves: Posterize
 keeps one bit at the top magnitude, and the export twin carries the given tensors and nothing else of the model."""
@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 from timm.data import auto_augment
 
-from core import timm_compat
-from core.timm_compat import PATCHES, TimmCompatError
+from core.compat import timm as timm_compat
+from core.compat.timm import PATCHES, TimmCompatError
 from tests.compat_checks import assert_check_fails
 
 HPARAMS = {"translate_const": 10, "img_mean": (124, 116, 104)}

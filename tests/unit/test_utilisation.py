@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
-from core.config import Config
 from core.engine.distributed import DistInfo
 from core.engine.setup import set_attention
 from core.engine.utilisation import (
@@ -27,6 +26,7 @@ from core.engine.utilisation import (
     start_meter,
 )
 from core.logging import MetricsLogger
+from core.recipe.config import Config
 from finetune.classification import Classification
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.mae import MAE

@@ -1,4 +1,4 @@
-"""Tests for core/vt.py: VT-ResNet sizes and parameter counts, the VT pieces, gradients, timm round trip."""
+"""Tests for core/models/vt.py: VT-ResNet sizes and parameter counts, the VT pieces, gradients, timm round trip."""
 
 import pytest
 import safetensors.torch
@@ -7,13 +7,13 @@ import torch
 from timm.optim import param_groups_layer_decay
 
 from core.engine.utilisation import CPU_ATTENTION_FLOPS
-from core.vt import VARIANTS, Projector, Tokenizer
+from core.models.vt import VARIANTS, Projector, Tokenizer
 
 SMALL = dict(token_dim=64, num_classes=10)  # full ResNet stages, narrow tokens
 
 
 def _vt_module_params(channels: int, token_dim: int, num_tokens: int, first: bool, last: bool) -> int:
-    """Parameters of one VT module, written out from the equations in core/vt.py's docstring."""
+    """Parameters of one VT module, written out from the equations in core/models/vt.py's docstring."""
     value = channels * token_dim if channels != token_dim else 0  # W_V, absent when widths agree
     tokenizer = (channels * num_tokens if first else token_dim * channels) + value  # W_A or W_TR, W_V
     transformer = 2 * 2 * token_dim + 2 * token_dim * (token_dim // 2) + 2 * (token_dim * token_dim + token_dim)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from core.config import ConfigError, WandbConfig, load_config
 from core.logging import MetricsLogger
+from core.recipe.config import ConfigError, WandbConfig, load_config
 from core.wandb_log import ID_FILE, WandbSink
 from tests.helpers.wandb_files import history, offline_runs, run_ids
 

@@ -1,6 +1,6 @@
-"""data/wds_compat.py: every patch's check passes on the installed webdataset, and fails loudly, naming the patch,
-what changed and the installed version, when the internal it relies on is missing or behaves otherwise. The changes
-are made with monkeypatch on the installed modules, so each case is a webdataset release that differs in exactly
+"""core/compat/webdataset.py: every patch's check passes on the installed webdataset, and fails loudly, naming the
+patch, what changed and the installed version, when the internal it relies on is missing or behaves otherwise. The
+changes are made with monkeypatch on the installed modules, so each case is a webdataset release that differs in exactly
 that internal."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import io
 import pytest
 import webdataset
 
-from data import wds_compat
-from data.wds_compat import FSSPEC_SCHEMES, PATCHES, WebDatasetCompatError
+from core.compat import webdataset as wds_compat
+from core.compat.webdataset import FSSPEC_SCHEMES, PATCHES, WebDatasetCompatError
 from tests.compat_checks import assert_check_fails
 
 gopen = importlib.import_module("webdataset.gopen")

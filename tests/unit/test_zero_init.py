@@ -11,7 +11,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from core.engine import zero_init
-from core.models import build_vit
+from core.models.vit import build_vit
 
 TINY = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
 

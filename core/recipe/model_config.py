@@ -4,22 +4,18 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from core.models import HYBRID_STRIDES
-from core.sections import Section, SimMIMObjective
-from core.t2t_vit import soft_split_grid
-
-if TYPE_CHECKING:
-    from core.config import Config
+from core.recipe.geometry import HYBRID_STRIDES, soft_split_grid
+from core.recipe.sections import Objective, Section, SimMIMObjective
 
 
 class ModelConfig(Section):
     arch: Literal["vit", "vit_hybrid", "t2t_vit", "vt_resnet"] = "vit"
     """vit: the plain ViT; vit_hybrid: timm's ResNet-stem ViT (`hybrid_backbone`'s feature map is the patch grid);
-    t2t_vit: T2T-ViT (`t2t_variant`, core/t2t_vit.py); vt_resnet: VT-ResNet (`vt_variant`, core/vt.py)."""
+    t2t_vit: T2T-ViT (`t2t_variant`, core/models/t2t_vit.py); vt_resnet: VT-ResNet (`vt_variant`, core/models/vt.py)."""
     size: Literal["tiny", "small", "base", "large", "huge"] = "base"
     """ViT size preset (vit, vit_hybrid); `embed_dim`/`depth`/`num_heads` override it."""
     img_size: int | tuple[int, int] = 224
@@ -106,9 +102,16 @@ class ModelConfig(Section):
         return self
 
 
-def check_arch(cfg: Config) -> None:
-    """What each `model.arch` can be trained with (raises ValueError naming the fields)."""
-    arch, kind = cfg.model.arch, cfg.objective.kind
+def check_arch(model: ModelConfig, objective: Objective, *, activation_checkpointing: bool, distill: str) -> None:
+    """What each `model.arch` can be trained with (raises ValueError naming the fields).
+
+    Args:
+        model: The recipe's `model` section.
+        objective: Its `objective` section.
+        activation_checkpointing: `engine.activation_checkpointing`.
+        distill: `distill.kind`.
+    """
+    arch, kind = model.arch, objective.kind
     if kind == "mae" and arch != "vit":
         raise ValueError(
             f"objective.kind mae needs model.arch vit, got {arch!r}: MAE drops the masked tokens before the encoder, "
@@ -122,28 +125,28 @@ def check_arch(cfg: Config) -> None:
             "fine-tuned only (from scratch or from ImageNet ResNet stages)"
         )
     if kind in ("beit", "simmim"):
-        grid, stride = cfg.model.grid, cfg.model.pixel_stride
-        if (grid[0] * stride, grid[1] * stride) != cfg.model.image_hw:
+        grid, stride = model.grid, model.pixel_stride
+        if (grid[0] * stride, grid[1] * stride) != model.image_hw:
             raise ValueError(
-                f"objective.kind {kind}: model.img_size {cfg.model.img_size} must be the token grid {grid} x "
+                f"objective.kind {kind}: model.img_size {model.img_size} must be the token grid {grid} x "
                 f"{stride} px per token (model.arch {arch}: an img_size divisible by {stride})"
             )
-    if isinstance(cfg.objective, SimMIMObjective):
-        unit, grid = cfg.objective.mask_patch_size, cfg.model.grid
+    if isinstance(objective, SimMIMObjective):
+        unit, grid = objective.mask_patch_size, model.grid
         if grid[0] % unit or grid[1] % unit:
             raise ValueError(f"objective.mask_patch_size {unit} does not divide the token grid {grid}")
         num_units = math.prod(grid) // unit**2
-        num_masked = math.ceil(cfg.objective.mask_ratio * num_units)
+        num_masked = math.ceil(objective.mask_ratio * num_units)
         if num_masked >= num_units:
             raise ValueError(
-                f"objective.mask_ratio {cfg.objective.mask_ratio} masks all {num_units} mask units of "
+                f"objective.mask_ratio {objective.mask_ratio} masks all {num_units} mask units of "
                 f"{unit}x{unit} tokens on the grid {grid}; lower it or objective.mask_patch_size"
             )
-    if cfg.engine.activation_checkpointing and arch not in ("vit", "vit_hybrid"):
+    if activation_checkpointing and arch not in ("vit", "vit_hybrid"):
         raise ValueError(
             f"engine.activation_checkpointing is implemented for model.arch vit and vit_hybrid, not {arch}"
         )
-    if cfg.distill.kind != "none" and arch != "vit":
+    if distill != "none" and arch != "vit":
         raise ValueError(f"distill needs model.arch vit (DeiT's distillation token), got {arch!r}")
-    if arch == "vt_resnet" and cfg.model.global_pool == "token":
+    if arch == "vt_resnet" and model.global_pool == "token":
         raise ValueError("model.global_pool token does not fit model.arch vt_resnet (it averages its visual tokens)")

@@ -25,24 +25,12 @@ from timm.models import build_model_with_cfg
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from core.models import sincos_pos_embed_2d
-from core.registry import imagenet_cfg, register_variants
-
-# (kernel, stride, padding) of the three soft splits; at 224 px the grid goes 56 -> 28 -> 14 (1/16 of the image).
-SOFT_SPLITS = ((7, 4, 2), (3, 2, 1), (3, 2, 1))
+from core.models.pos_embed import sincos_pos_embed_2d
+from core.models.registry import imagenet_cfg, register_variants
+from core.recipe.geometry import SOFT_SPLITS, soft_split_grid
 
 T2TKind = Literal["performer", "transformer"]
 PosEmbedKind = Literal["sincos_1d", "sincos_2d"]
-
-
-def soft_split_grid(img_size: tuple[int, int]) -> tuple[int, int]:
-    """Token grid after the three soft splits: l_out = floor((l + 2p - k) / s) + 1 per side and split."""
-    grid = img_size
-    for kernel, stride, padding in SOFT_SPLITS:
-        grid = tuple((side + 2 * padding - kernel) // stride + 1 for side in grid)
-        if min(grid) < 1:
-            raise ValueError(f"img_size {img_size} is too small for the T2T soft splits {SOFT_SPLITS}")
-    return grid
 
 
 def sincos_pos_embed_1d(embed_dim: int, num_positions: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Every section is a strict pydantic model (`extra="forbid"`): an unknown key, a wrong type or an out-of-range
 value is a `ConfigError` naming the dotted key (with a close-match hint for typos) before any process starts.
-The layers are merged into one plain tree in core/recipe_tree.py; core/config_errors.py words the errors.
+The layers are merged into one plain tree in core/recipe/tree.py; core/recipe/errors.py words the errors.
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ from typing import Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
-from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from core.config_errors import ConfigError as ConfigError  # re-exported: callers catch it from here
-from core.config_errors import explain
-from core.model_config import ModelConfig, check_arch
-from core.recipe_tree import recipe_tree
-from core.sections import (
+from core.recipe.errors import ConfigError as ConfigError  # re-exported: callers catch it from here
+from core.recipe.errors import explain
+from core.recipe.model_config import ModelConfig, check_arch
+from core.recipe.sections import (
     OBJECTIVES_BY_STAGE,
     AugmentConfig,
     BEiTObjective,
@@ -32,10 +30,17 @@ from core.sections import (
     TrainSource,
     TrainSpec,
 )
+from core.recipe.tree import recipe_tree
 from data.shard_read import ShardReadPolicy
 from data.workers import LOADER_TIMEOUT_S
 
 _READS = ShardReadPolicy()  # the defaults of the data.read_* keys
+
+
+# timm's IMAGENET_DEFAULT_MEAN/STD (tests/unit/test_layers.py checks they agree), written out: importing timm.data
+# would import all of timm's models when a recipe is loaded.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class DataConfig(Section):
@@ -74,9 +79,9 @@ class DataConfig(Section):
     """Converts epochs to steps; default: sample count in the training shards' index.json. A mixture has none, so a
     schedule in epochs needs it set (e.g. to the main source's sample count, for epochs of the size they had
     without the other sources)."""
-    mean: tuple[float, float, float] = IMAGENET_DEFAULT_MEAN
+    mean: tuple[float, float, float] = IMAGENET_MEAN
     """Per-channel RGB mean that images are normalised with (default ImageNet's); exported with the model."""
-    std: tuple[float, float, float] = IMAGENET_DEFAULT_STD
+    std: tuple[float, float, float] = IMAGENET_STD
     """Per-channel RGB standard deviation that images are normalised with (default ImageNet's); exported with the
     model."""
     crop_scale: tuple[float, float] = (0.2, 1.0)
@@ -379,7 +384,12 @@ class Config(Section):
             raise ValueError(
                 "optim.ema_decay does not work with engine.zero_stage 3 (the average would be partitioned)"
             )
-        check_arch(self)
+        check_arch(
+            self.model,
+            self.objective,
+            activation_checkpointing=self.engine.activation_checkpointing,
+            distill=self.distill.kind,
+        )
         if self.logging.wandb.enabled and not wandb_installed():
             raise ValueError(f"logging.wandb.enabled needs wandb, which is not installed: {WANDB_INSTALL}")
         if isinstance(self.objective, BEiTObjective):

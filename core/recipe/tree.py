@@ -1,6 +1,6 @@
 """The untyped layers of a recipe, merged into one plain tree: the YAML file over its optional single `base:`
-parent, then the command-line `section.key=value` overrides (values parsed as YAML). `core/config.py` validates the
-tree against the schema."""
+parent, then the command-line `section.key=value` overrides (values parsed as YAML). core/recipe/config.py validates
+the tree against the schema."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from core.config_errors import ConfigError
+from core.recipe.errors import ConfigError
 
 
 def recipe_tree(recipe: str | Path | None, overrides: list[str] = ()) -> dict[str, Any]:

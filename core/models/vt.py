@@ -27,7 +27,7 @@ from timm.models import build_model_with_cfg
 from timm.models.resnet import BasicBlock, Bottleneck, make_blocks
 from torch import nn
 
-from core.registry import imagenet_cfg, register_variants
+from core.models.registry import imagenet_cfg, register_variants
 
 
 def _projection(in_dim: int, out_dim: int) -> nn.Module:

@@ -1,7 +1,7 @@
 """The recipe reference, read from the schema itself: every key's type, default and description.
 
-    python -m core.recipe_reference > docs/recipe-reference.md   # the generated page (a test keeps it current)
-    python -m core.recipe_reference --explain objective.mask_ratio   # one key (also `./launch.sh --explain KEY`)
+    python -m core.recipe.reference > docs/recipe-reference.md   # the generated page (a test keeps it current)
+    python -m core.recipe.reference --explain objective.mask_ratio   # one key (also `./launch.sh --explain KEY`)
 
 Each section is one table. A section chosen by `kind` (objective, objective.mask) gets one table per kind, and a
 key that several kinds share (objective.mask_ratio: mae and simmim) is explained once per kind.
@@ -21,10 +21,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from core.config import Config
-from core.config_errors import ConfigError, close_matches
+from core.recipe.config import Config
+from core.recipe.errors import ConfigError, close_matches
 
-REGENERATE = "python -m core.recipe_reference > docs/recipe-reference.md"
+REGENERATE = "python -m core.recipe.reference > docs/recipe-reference.md"
 
 _BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}  # pydantic's constraint names
 
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(markdown())
         return 0
     if argv[0] != "--explain" or len(argv) != 2:
-        print(f"usage: {REGENERATE}\n       python -m core.recipe_reference --explain KEY", file=sys.stderr)
+        print(f"usage: {REGENERATE}\n       python -m core.recipe.reference --explain KEY", file=sys.stderr)
         return 2
     try:
         print(explain(argv[1]))

@@ -1,5 +1,5 @@
 """Recipe sections for the objectives (`objective: {kind: ...}`), the fine-tuning augmentation and distillation,
-the sources of a training mixture, and the strict base every section shares. core/config.py assembles them into
+the sources of a training mixture, and the strict base every section shares. core/recipe/config.py assembles them into
 the one typed tree."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 
 class Section(BaseModel):
     # use_attribute_docstrings: the docstring under each field is its description, read at run time by
-    # core/recipe_reference.py (the generated docs/recipe-reference.md, `./launch.sh --explain KEY`).
+    # core/recipe/reference.py (the generated docs/recipe-reference.md, `./launch.sh --explain KEY`).
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 

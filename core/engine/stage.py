@@ -1,0 +1,34 @@
+"""`StageRun`: what a stage holds from its start (core/engine/run.py) to its end, and what the loop, the data stream,
+the rollback and the utilisation meter read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.engine.distributed import DistInfo
+from core.engine.train_state import TrainState
+from core.logging import MetricsLogger
+from core.recipe.config import Config
+
+
+@dataclass
+class StageRun:
+    """Everything a stage entry point holds between its sections, and what the loop runs on."""
+
+    cfg: Config
+    recipe: str
+    dist: DistInfo
+    run_dir: Path
+    config_yaml: str
+    """The resolved config as run_dir/config.yaml holds it; every checkpoint saves it too."""
+    samples: int | None
+    total_steps: int
+    warmup_steps: int
+    resume: dict | None
+    state: TrainState
+    logger: MetricsLogger
+    peak: tuple[float | None, str] | None = None
+    """perf/mfu's peak TFLOP/s of one device and where it came from (`device_peak`), found by `start_stage` before the
+    data workers start, which would take CPU from a matmul measured while they fill their first batches; None: the
+    loop finds it."""

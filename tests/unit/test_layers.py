@@ -1,0 +1,172 @@
+"""The package layers hold (docs/layout.md): read with `ast` from the product sources, so every import counts, at
+module level, inside a function or under `TYPE_CHECKING`.
+
+    core.compat  <-  data  <-  core (recipe, models, engine, ...)  <-  pretrain, finetune  <-  core.entry
+
+core.compat imports nothing of ours outside itself; data imports only core.compat; core imports no stage but in
+core.entry (the `mimpipe` command and launch.sh's check, above the stages), which nothing imports; the recipe schema
+imports no model code (nor timm, whose package import loads all its models); only core.compat and core.engine import
+deepspeed; no module outside core.compat imports a module it names at run time (`importlib.import_module`), which this
+graph could not follow. No two modules import each other, directly or through others.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+from core.recipe.config import IMAGENET_MEAN, IMAGENET_STD
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("core", "data", "pretrain", "finetune")
+DYNAMIC = "<a module named at run time>"
+STAGES = ("pretrain", "finetune")
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_modules(root: Path = ROOT) -> dict[str, Path]:
+    return {module_name(p, root): p for package in PACKAGES for p in sorted((root / package).rglob("*.py"))}
+
+
+def imported(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """Every module `path` imports: ours resolved to the module file (`from core.engine import preempt` is
+    core.engine.preempt), others by their top-level name (deepspeed, timm)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            constant = node.args and isinstance(node.args[0], ast.Constant)
+            found.add(node.args[0].value if constant else DYNAMIC)
+    return {m if m in modules or m.split(".")[0] in PACKAGES or m == DYNAMIC else m.split(".")[0] for m in found}
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    modules = product_modules(root)
+    return {name: imported(path, name, modules) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in graph:
+                continue
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while (top := stack.pop()) != node:
+                component.append(top)
+            component.append(node)
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def breaches(graph: dict[str, set[str]]) -> list[str]:
+    """Every import against the layer rule, as `importer -> imported (rule)`."""
+    out = []
+    for importer, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            top = target.split(".")[0]
+            if in_package(importer, "core.compat") and top in PACKAGES and not in_package(target, "core.compat"):
+                out.append(f"{importer} -> {target} (core.compat imports nothing of ours)")
+            elif in_package(importer, "data") and top in PACKAGES and not in_package(target, "core.compat"):
+                if not in_package(target, "data"):
+                    out.append(f"{importer} -> {target} (data imports only core.compat of ours)")
+            elif (
+                in_package(importer, "core")
+                and top in ("pretrain", "finetune")
+                and not in_package(importer, "core.entry")
+            ):
+                out.append(f"{importer} -> {target} (core imports no stage)")
+            elif in_package(target, "core.entry") and not in_package(importer, "core.entry"):
+                out.append(f"{importer} -> {target} (nothing imports core.entry, the top)")
+            if in_package(importer, "core.recipe") and (in_package(target, "core.models") or top == "timm"):
+                out.append(f"{importer} -> {target} (the recipe schema imports no model code)")
+            if target == DYNAMIC and not in_package(importer, "core.compat"):
+                out.append(f"{importer} -> {target} (imports are written out, so that this graph sees them)")
+            if top == "deepspeed" and not (in_package(importer, "core.compat") or in_package(importer, "core.engine")):
+                out.append(f"{importer} -> {target} (only core.compat and core.engine import deepspeed)")
+    return out
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_layer_rule_holds():
+    assert breaches(import_graph()) == []
+
+
+def test_the_graph_sees_every_kind_of_import(tmp_path):
+    """The checks bite: a cycle through a function-level import, a data -> engine import, a stage imported by core
+    outside core.entry and a deepspeed import in a stage are all found in a small tree."""
+    sources = {
+        "core/__init__.py": "",
+        "core/engine/__init__.py": "",
+        "core/engine/loop.py": "from core.engine import meter\n",
+        "core/engine/meter.py": "def f():\n    from core.engine.loop import g\n",
+        "data/__init__.py": "",
+        "data/pipeline.py": "from core.engine.loop import g\n",
+        "core/engine/plan.py": "import importlib\n\ndef f(stage):\n    importlib.import_module(f'{stage}.preflight')\n",
+        "pretrain/__init__.py": "",
+        "pretrain/export.py": "def f():\n    import deepspeed.utils\n",
+        "finetune/__init__.py": "",
+        "finetune/preflight.py": "",
+        "core/rundir.py": "from finetune import preflight\n",
+        "core/entry/__init__.py": "",
+        "core/entry/launch_check.py": "def f():\n    from finetune import preflight\n",
+    }
+    for rel, text in sources.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    graph = import_graph(tmp_path)
+    assert cycles(graph) == [["core.engine.loop", "core.engine.meter"]]
+    assert breaches(graph) == [
+        f"core.engine.plan -> {DYNAMIC} (imports are written out, so that this graph sees them)",
+        "core.rundir -> finetune.preflight (core imports no stage)",
+        "data.pipeline -> core.engine.loop (data imports only core.compat of ours)",
+        "pretrain.export -> deepspeed (only core.compat and core.engine import deepspeed)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("ours", "timms"), [(IMAGENET_MEAN, IMAGENET_DEFAULT_MEAN), (IMAGENET_STD, IMAGENET_DEFAULT_STD)]
+)
+def test_schema_imagenet_statistics_are_timms(ours, timms):
+    """The schema writes timm's ImageNet mean and std out (importing timm would load its models with every recipe)."""
+    assert ours == timms
