@@ -3,6 +3,7 @@ bf16 compiled (`engine.compile`) and fp32 as a precision control, each at the la
 
     .venv/bin/python -m benchmarks.bench_gpu            # both models, 3 configurations each (make gpu-check)
     .venv/bin/python -m benchmarks.bench_gpu --quick    # ViT-B in bf16 eager only: checks that it runs
+    .venv/bin/python -m benchmarks.bench_gpu --modes bf16 --start-batch 256 --max-batch 256   # one batch, no search
     .venv/bin/python -m benchmarks.bench_gpu --skip-reason   # why this machine would be skipped; empty on a GPU host
 
 Per configuration: images/s per GPU, MFU (the loop's own perf/mfu meter: model FLOPs of a step over the GPU's
@@ -34,8 +35,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results" / "gpu.md"
 MODELS = {"ViT-B/16": "mae_vitb", "ViT-L/16": "mae_vitl"}
-# (name, engine.precision, engine.compile)
-MODES = (("bf16 eager", "bf16", False), ("bf16 compiled", "bf16", True), ("fp32 eager (control)", "fp32", False))
+# (name, engine.precision, engine.compile), by the key --modes takes
+MODES = {
+    "bf16": ("bf16 eager", "bf16", False),
+    "bf16-compiled": ("bf16 compiled", "bf16", True),
+    "fp32": ("fp32 eager (control)", "fp32", False),
+}
 NUM_IMAGES, NUM_CLASSES = 2560, 10  # 10 shards of 256 JPEGs: one or more per data worker of the recipes
 
 
@@ -244,6 +249,7 @@ def environment_lines(args: argparse.Namespace) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--quick", action="store_true", help="ViT-B/16 in bf16 eager only, 3 timed steps")
     parser.add_argument("--skip-reason", action="store_true", help="print why this machine is skipped, or nothing")
     parser.add_argument("--start-batch", type=int, default=64)
@@ -256,10 +262,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.models, args.steps = "ViT-B/16", 3
-    unknown = set(args.models.split(",")) - set(MODELS)
-    if unknown:
-        parser.error(f"--models: unknown {sorted(unknown)}; choose from {', '.join(MODELS)}")
+        args.models, args.modes, args.steps = "ViT-B/16", "bf16", 3
+    for flag, known in (("models", MODELS), ("modes", MODES)):
+        unknown = set(getattr(args, flag).split(",")) - set(known)
+        if unknown:
+            parser.error(f"--{flag}: unknown {sorted(unknown)}; choose from {', '.join(known)}")
     return args
 
 
@@ -268,10 +275,10 @@ def bench_model(model: str, args: argparse.Namespace, shards: Path, scratch: Pat
     data-wait row of its fastest bf16 configuration."""
     from core.recipe.config import load_config
 
-    recipe = MODELS[model]
+    recipe, modes = MODELS[model], [MODES[key] for key in MODES if key in args.modes.split(",")]
     rows, searches = [], {}
-    for mode, precision, compiled in MODES[:1] if args.quick else MODES:
-        start = getattr(searches.get(MODES[0][0]), "batch", None) or args.start_batch
+    for mode, precision, compiled in modes:
+        start = getattr(searches.get(modes[0][0]), "batch", None) or args.start_batch
         measure = measure_config(recipe, precision, compiled, shards, scratch, args)
         try:
             searches[mode] = largest_batch(measure, start=start, limit=args.max_batch, granularity=args.granularity)
@@ -282,7 +289,7 @@ def bench_model(model: str, args: argparse.Namespace, shards: Path, scratch: Pat
         rows.append(config_row(model, mode, searches[mode]))
     speeds = {
         (mode, compiled): summarize(searches[mode].batch, searches[mode].result)["images_per_sec"]
-        for mode, precision, compiled in MODES
+        for mode, precision, compiled in modes
         if precision == "bf16" and mode in searches and searches[mode].batch is not None
     }
     if not speeds:

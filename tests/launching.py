@@ -169,7 +169,9 @@ def torchrun(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     cmd += ["--master-port", str(free_port()), str(path), *map(str, args)]
     assert device in DEVICES, device
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": device}
+    # The repository before the caller's own PYTHONPATH, not instead of it: a GPU host may carry packages there.
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": device}
     proc = run_in_session(cmd, cwd=REPO, env=env, timeout=timeout)
     assert proc.returncode == 0, f"{script} {' '.join(map(str, args))}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
     return proc

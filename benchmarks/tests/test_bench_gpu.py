@@ -108,3 +108,35 @@ def test_a_failed_worker_is_a_row_saying_so():
     assert bench_gpu.failed_row("ViT-B/16", "bf16 compiled", err) == (
         "| ViT-B/16 | bf16 compiled | failed: triton.CompilationError: a / b | - | - | - | - | - | - |"
     )
+
+
+def test_modes_choose_the_configurations_and_a_bad_one_is_refused(monkeypatch, tmp_path, capsys):
+    """`--modes` runs only the configurations named, in the table's order; each search after the first starts from
+    the first one's batch; the data-wait run takes the fastest bf16 one. An unknown mode stops before any work."""
+    asked = []
+
+    def fake_config(recipe, precision, compiled, shards, scratch, args):
+        def measure(batch):
+            asked.append((precision, compiled, batch))
+            if batch > 128:
+                return None
+            step = 0.1 if compiled else 0.2
+            return {"step": [step], "backward": [step / 2], "step_phase": [0.0], "peak_allocated_gib": 1.0,
+                    "peak_reserved_gib": 2.0}  # fmt: skip
+
+        return measure
+
+    waits = []
+    monkeypatch.setattr(bench_gpu, "measure_config", fake_config)
+    monkeypatch.setattr(
+        bench_gpu, "data_wait", lambda *a: waits.append(a[1:3]) or {"wait": 0.01, "ips": 1, "mfu": None}
+    )
+    args = bench_gpu.parse_args(["--models", "ViT-B/16", "--modes", "fp32,bf16-compiled", "--start-batch", "64"])
+    rows, data = bench_gpu.bench_model("ViT-B/16", args, tmp_path, tmp_path)
+    assert [row.split(" | ")[1] for row in rows] == ["bf16 compiled", "fp32 eager (control)"]
+    assert asked[:3] == [("bf16", True, 64), ("bf16", True, 128), ("bf16", True, 256)]
+    assert [a for a in asked if a[0] == "fp32"][0] == ("fp32", False, 128)  # starts from the compiled batch
+    assert waits == [(128, True)] and "| 128 |" in data[0]
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args(["--modes", "bf16,fp8"])
+    assert "--modes: unknown ['fp8']; choose from bf16, bf16-compiled, fp32" in capsys.readouterr().err

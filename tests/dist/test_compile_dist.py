@@ -13,7 +13,7 @@ import timm
 import torch
 from safetensors.torch import load_file
 
-import core.models.vit  # noqa: F401  (registers the archs timm loads exports of)
+import core.models.build  # noqa: F401  (registers the archs timm loads exports of)
 from tests.launching import finetune_recipe, launch, losses, read_metrics, write_recipe
 
 pytestmark = pytest.mark.dist

@@ -15,7 +15,7 @@ import timm
 import torch
 from safetensors.torch import load_file
 
-import core.models.vit  # noqa: F401  (registers t2t_vit_* and vt_resnet* with timm)
+import core.models.build  # noqa: F401  (registers t2t_vit_* and vt_resnet* with timm)
 from tests.launching import launch, losses, pretrain_recipe, torchrun, write_recipe
 
 pytestmark = pytest.mark.dist

@@ -367,7 +367,7 @@ def _encoder(arch: str, **kwargs):
 def test_convert_t2t_and_vt_weights_round_trip_through_timm(tmp_path, capsys, source_kind, arch, flags):
     """The structure (Performer T2T layers, depth, width, token width; VT's ResNet stages, VT modules, classes) is
     read from the weights: the rebuilt model gives the source's outputs exactly, BatchNorm statistics included."""
-    import core.models.vit  # noqa: F401  (registers t2t_vit_* and vt_resnet*)
+    import core.models.build  # noqa: F401  (registers t2t_vit_* and vt_resnet*)
     from core.models.build import model_args
 
     source = _encoder(arch)
@@ -408,7 +408,7 @@ def test_convert_t2t_and_vt_weights_round_trip_through_timm(tmp_path, capsys, so
     ],
 )
 def test_convert_t2t_and_vt_errors_name_the_problem(tmp_path, capsys, arch, flags, expected):
-    import core.models.vit  # noqa: F401
+    import core.models.build  # noqa: F401
 
     safetensors.torch.save_file(state_of(_encoder(arch)), tmp_path / "weights.safetensors")
 
@@ -418,7 +418,7 @@ def test_convert_t2t_and_vt_errors_name_the_problem(tmp_path, capsys, arch, flag
 
 
 def test_convert_vt_of_no_variant_names_its_stages(tmp_path, capsys):
-    import core.models.vit  # noqa: F401
+    import core.models.build  # noqa: F401
 
     state = state_of(_encoder("vt_resnet18"))
     state = {k: v for k, v in state.items() if not k.startswith("layer3.1.")}  # one block short of ResNet-18's stage

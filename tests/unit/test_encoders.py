@@ -8,7 +8,7 @@ import timm
 import torch
 from timm.optim import param_groups_layer_decay
 
-import core.models.vit  # noqa: F401  (registers t2t_vit_* and vt_resnet* with timm)
+import core.models.build  # noqa: F401  (registers t2t_vit_* and vt_resnet* with timm)
 from core.engine.gather import export_state_dict
 from core.models.build import build_model
 from core.recipe.config import ConfigError, load_config
