@@ -56,7 +56,7 @@ done
 
 free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-num_gpus="$("$python" -m core.gpus)"  # honours CUDA_VISIBLE_DEVICES and the SLURM step (core/gpus.py)
+num_gpus="$("$python" -m core.launch.gpus)"  # honours CUDA_VISIBLE_DEVICES and the SLURM step (core/launch/gpus.py)
 default_nproc=$(( num_gpus > 0 ? num_gpus : 1 ))
 nnodes="${NNODES:-}"
 node_rank="${NODE_RANK:-0}"
@@ -142,7 +142,7 @@ fi
 # torchrun SIGKILLs its ranks this long after passing a SIGTERM on (preemption): 30 s by default, less than a large
 # checkpoint may take to save. It waits only as long as the ranks take; SLURM's own grace still bounds it.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
-# core.torchrun is torchrun with its failure report cut to one line (the ranks print their own errors).
+# core.launch.torchrun is torchrun with its failure report cut to one line (the ranks print their own errors).
 if [[ -n "${HOSTFILE:-}" ]]; then
     # DeepSpeed's runner reaches the hosts over pdsh/ssh and starts them in this directory (same path everywhere);
     # it sets RANK/LOCAL_RANK/WORLD_SIZE in the environment, so no --local_rank argument is passed.
@@ -153,7 +153,7 @@ if [[ -n "${HOSTFILE:-}" ]]; then
     cmd+=(--no_local_rank --module "$module" "$recipe" "${overrides[@]}")
 elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
     # c10d rendezvous: node ranks are assigned as nodes join; after a failure every node restarts its workers.
-    cmd=("$python" -m core.torchrun
+    cmd=("$python" -m core.launch.torchrun
          --nnodes "$nnodes" --nproc-per-node "$nproc_per_node"
          --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$rdzv_id" --max-restarts "$max_restarts"
          -m "$module" "$recipe" "${overrides[@]}")
@@ -163,7 +163,7 @@ elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
         cmd=(env "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}" "${cmd[@]}")
     fi
 else
-    cmd=("$python" -m core.torchrun
+    cmd=("$python" -m core.launch.torchrun
          --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc_per_node"
          --master-addr "$master_addr" --master-port "$master_port"
          -m "$module" "$recipe" "${overrides[@]}")

@@ -160,8 +160,8 @@ def run_engine(cfg, spec: dict, batch: dict, marks: list[tuple[float, float]]) -
     from core.engine.loop import train
     from core.engine.setup import parallelize
     from core.engine.train_state import TrainState
-    from core.logging import MetricsLogger
     from core.recipe.config import dump_config
+    from core.report.logging import MetricsLogger
 
     dist = init_distributed("cpu")
     run_dir = Path(spec["run_dir"])

@@ -41,8 +41,8 @@ from benchmarks.quality_report import (
 )
 from benchmarks.smoke_measure import launch
 from benchmarks.workers import machine_lines
+from core.launch.rundir import flatten
 from core.recipe.config import load_config
-from core.rundir import flatten
 from data.subset import write_per_class_subset
 
 REPO = Path(__file__).resolve().parents[1]

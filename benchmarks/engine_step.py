@@ -197,8 +197,8 @@ def train_until_done(cfg, engine, optimizer, batches, *, dist, run_dir: Path) ->
     from core.engine.loop import LoopHooks, train
     from core.engine.stage import StageRun
     from core.engine.train_state import TrainState
-    from core.logging import MetricsLogger
     from core.recipe.config import dump_config
+    from core.report.logging import MetricsLogger
 
     total = cfg.schedule.steps
     logger = MetricsLogger(run_dir, enabled=False, tensorboard=False, total_steps=total)

@@ -17,6 +17,7 @@ from core.engine.failure import run_guarded
 from core.engine.loop import LoopHooks
 from core.engine.run import finish_stage, run_loop, seed_everything, start_engine, start_stage
 from core.engine.stream import train_stream
+from core.export.handoff import load_encoder, resolve_global_pool
 from core.models.build import build_model
 from data.mixing import build_mix, mixed
 from data.specs import dataset_classes
@@ -24,7 +25,6 @@ from data.transforms import eval_transform, finetune_train_transform
 from finetune.best import BestExport
 from finetune.classification import Classification
 from finetune.distillation import Distillation, to_distilled
-from finetune.handoff import load_encoder, resolve_global_pool
 from finetune.probe_ema import WeightEMA, make_linear_probe
 from finetune.teacher import load_teacher
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from core.engine.gather import export_state_dict, gather_state_dict
+from core.engine.gather import gather_state_dict
 from core.engine.stage import StageRun
+from core.export.folder import export_state_dict
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
 from finetune.classification import Classification

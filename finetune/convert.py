@@ -32,13 +32,13 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import VisionTransformer
 from torch import nn
 
-from core.engine.export import export_model
+from core.export.folder import export_model
+from core.export.handoff import LoadReport, load_encoder
+from core.export.read import Checkpoint, has_module, read_checkpoint
 from core.models.build import model_args
 from core.models.t2t_vit import VARIANTS as T2T_VARIANTS
 from core.models.vt import VARIANTS as VT_VARIANTS
 from core.recipe.geometry import HYBRID_ARCHITECTURES, HYBRID_STRIDES
-from finetune.checkpoints import Checkpoint, has_module, read_checkpoint
-from finetune.handoff import LoadReport, load_encoder
 
 # Official MAE and DeiT weights were trained on ImageNet statistics; timm's plain ViT defaults are 0.5 / 0.5.
 IMAGENET_FORMATS = ("mae-pretrain", "mae-finetune", "deit-distilled")
@@ -92,7 +92,7 @@ def convert(
     """Write the checkpoint at `src` as our export at `dst`.
 
     Args:
-        src: Any checkpoint `finetune.handoff.load_encoder` accepts.
+        src: Any checkpoint `core.export.handoff.load_encoder` accepts.
         dst: Export folder to write.
         arch: timm architecture to build; None picks one by width (see the module docstring).
         num_heads: Attention heads; None takes them from `arch`, or from the width when it is a standard one.

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from core.engine import preempt
 from core.engine.distributed import DistInfo, all_reduce
 from core.engine.precision import to_device
-from core.metrics import topk_correct
-from core.pictures import labelled_matrix
+from core.report.metrics import topk_correct
+from core.report.pictures import labelled_matrix
 
 # Colour map of `confusion_image`: a row-normalised fraction of 0 is white, 1 is dark blue (matplotlib "Blues" ends).
 _WHITE = (1.0, 1.0, 1.0)
@@ -188,7 +188,7 @@ def confusion_image(
             the whole row, so a row's drawn cells may sum to less than 1).
 
     Returns:
-        (3, H, W) float in [0, 1], laid out as `core.pictures.matrix_layout` says for the shown part's
+        (3, H, W) float in [0, 1], laid out as `core.report.pictures.matrix_layout` says for the shown part's
         `confusion_cell_text`, the (shown) class names and ROW_TITLE.
     """
     if max_classes < 1:

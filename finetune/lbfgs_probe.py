@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from core.engine.precision import autocast_context
+from core.export.handoff import load_encoder
 from core.models.build import build_model
 from core.recipe.config import load_config
 from data.device import batch_to_device
 from data.pipeline import make_eval_loader
 from data.specs import dataset_classes, resolve_shards
 from data.transforms import eval_transform
-from finetune.handoff import load_encoder
 
 WEIGHT_DECAYS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
 """The L2 penalties tried (on the mean cross-entropy, weights only): from almost none to strong."""

@@ -1,8 +1,8 @@
-"""Fine-tuning's launch-time checks (run by core/preflight.py before any process starts): `model.init` opens, its
+"""Fine-tuning's launch-time checks (run by core/launch/preflight.py before any process starts): `model.init` opens, its
 format is detected and it fits the recipe's model; `distill.teacher` opens; the number of classes is known and every
 split's labels are below it.
 
-`model.init` is fitted as `load_encoder` would (`finetune.handoff.fit_problems`) without reading weights: a
+`model.init` is fitted as `load_encoder` would (`core.export.handoff.fit_problems`) without reading weights: a
 safetensors file's header gives the shapes, and the recipe's model is built on the meta device, so even a ViT-H
 costs no memory. A pickle has no header and is loaded (memory-mapped when torch saved it as a zip).
 """
@@ -15,15 +15,15 @@ import os
 import torch
 from torch import nn
 
+from core.export.handoff import PATCH_KERNEL, fit_problems, resolve_global_pool
+from core.export.read import read_checkpoint
+from core.launch.preflight import Findings, describe_spec, shard_specs
 from core.models.build import build_model
-from core.preflight import Findings, describe_spec, shard_specs
 from core.recipe.config import Config
 from data.decode import image_field, read_label
 from data.index import shard_samples
 from data.specs import dataset_classes, resolve_shards
 from data.write import INDEX_FILE, read_index
-from finetune.checkpoints import read_checkpoint
-from finetune.handoff import PATCH_KERNEL, fit_problems, resolve_global_pool
 from finetune.probe_ema import make_linear_probe
 from finetune.teacher import teacher_is_folder
 
@@ -33,7 +33,7 @@ LABEL_SAMPLES = 64
 
 def check(cfg: Config, findings: Findings, world_size: int) -> None:
     """`model.init`, `distill.teacher`, the class count and the labels' range (data.val's shards per rank are
-    core/preflight.py's)."""
+    core/launch/preflight.py's)."""
     if cfg.model.init:
         check_init(cfg, findings)
     if cfg.distill.kind != "none":

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from core.engine.setup import set_attention
+from core.export.handoff import load_encoder
 from core.recipe.config import Config
 from core.recipe.sections import DistillConfig
-from finetune.handoff import load_encoder
 
 
 def load_teacher(cfg: Config, num_classes: int, logger, device: torch.device) -> nn.Module:

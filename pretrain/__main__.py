@@ -9,10 +9,11 @@ from __future__ import annotations
 import sys
 
 from core.engine.failure import run_guarded
-from core.engine.gather import export_state_dict, gather_state_dict
+from core.engine.gather import gather_state_dict
 from core.engine.loop import LoopHooks
 from core.engine.run import finish_stage, run_loop, seed_everything, start_engine, start_stage
 from core.engine.stream import train_stream
+from core.export.folder import export_state_dict
 from pretrain.export import main as export_main
 from pretrain.export import pretrain_manifest
 from pretrain.knn import knn_monitor

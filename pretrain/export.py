@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from core.engine.checkpoint import resumable_tag
-from core.engine.gather import consolidated_state_dict, export_state_dict
+from core.engine.gather import consolidated_state_dict
+from core.export.folder import export_state_dict
 from core.recipe.config import Config, load_config
 
 

@@ -33,8 +33,8 @@ from torch import nn
 from core.engine import preempt
 from core.engine.distributed import DistInfo, all_gather_rows, all_reduce
 from core.engine.precision import autocast_context, to_device
-from core.metrics import topk_correct
 from core.recipe.sections import KNNConfig
+from core.report.metrics import topk_correct
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
 from data.transforms import eval_transform

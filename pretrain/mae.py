@@ -20,7 +20,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from core.models.pos_embed import sincos_pos_embed_2d
-from core.pictures import image_grid
+from core.report.pictures import image_grid
 from pretrain.encoder import check_encoder, forward_encoder, patch_positions
 
 # MAE's norm_pix_loss adds this to the per-patch variance before the square root.
@@ -283,7 +283,7 @@ def reconstruction_grid(
         max_images: Rows to draw at most.
 
     Returns:
-        (3, H_grid, W_grid) float tensor in [0, 1]: `core.pictures.image_grid` with column titles, small images
+        (3, H_grid, W_grid) float tensor in [0, 1]: `core.report.pictures.image_grid` with column titles, small images
         upscaled (nearest) to at least 112 px.
     """
     patch_size = to_2tuple(patch_size)

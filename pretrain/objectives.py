@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch import nn
 
-from core.manifest import MANIFEST_NAME
+from core.export.manifest import MANIFEST_NAME
 from core.models.build import build_model
 from core.recipe.config import Config
 from core.recipe.sections import BEiTObjective, BlockwiseMask, SimMIMObjective

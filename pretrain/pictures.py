@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from core.engine.precision import autocast_context, to_device
-from core.pictures import bar_chart, image_grid, upscale_nearest
 from core.recipe.config import Config
+from core.report.pictures import bar_chart, image_grid, upscale_nearest
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
 from data.transforms import CentreCrop, WithMask, eval_transform
@@ -181,7 +181,7 @@ def masked_patch_grid(
         max_images: Rows to draw at most.
 
     Returns:
-        (3, H', W') float in [0, 1] (`core.pictures.image_grid`, upscaled to at least 112 px per panel).
+        (3, H', W') float in [0, 1] (`core.report.pictures.image_grid`, upscaled to at least 112 px per panel).
     """
     n = min(max_images, images.shape[0])
     mask = mask[:n].bool()

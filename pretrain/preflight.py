@@ -1,4 +1,4 @@
-"""Pretraining's launch-time checks (run by core/preflight.py before any process starts): a BEiT-style tokenizer
+"""Pretraining's launch-time checks (run by core/launch/preflight.py before any process starts): a BEiT-style tokenizer
 target loads and its code grid is the encoder's patch grid (a tokenizer export is small, a VQ-VAE of a few MB, so it
 is loaded in full, exactly as the ranks will); the kNN monitor's bank and queries have images and labels, and a shard
 for every rank."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from core.preflight import Findings, check_split
+from core.launch.preflight import Findings, check_split
 from core.recipe.config import Config
 from core.recipe.sections import BEiTObjective
 

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from timm.layers import to_2tuple
 from torch import nn
 
-from core.manifest import MANIFEST_NAME
-from core.pictures import image_grid
+from core.export.manifest import MANIFEST_NAME
+from core.report.pictures import image_grid
 
 WEIGHTS_NAME = "tokenizer.safetensors"
 KIND = "vqvae"
@@ -358,8 +358,8 @@ def tokenizer_grid(
         max_images: Rows to draw at most.
 
     Returns:
-        (3, H', W') float CPU tensor in [0, 1]: `core.pictures.image_grid` with titles "original" and "from codes",
-        small images upscaled (nearest) to at least 112 px.
+        (3, H', W') float CPU tensor in [0, 1]: `core.report.pictures.image_grid` with titles "original" and "from
+        codes", small images upscaled (nearest) to at least 112 px.
     """
     n = min(max_images, images.shape[0])
     mean_t, std_t = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) for v in (mean, std))

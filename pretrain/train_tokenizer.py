@@ -14,13 +14,13 @@ import safetensors.torch
 import torch
 
 from core.engine.distributed import all_reduce
-from core.engine.export import atomic_folder, check_replaceable
 from core.engine.gather import gather_state_dict
 from core.engine.loop import LoopHooks
 from core.engine.precision import autocast_context
 from core.engine.run import finish_stage, run_loop, seed_everything, start_engine
 from core.engine.stage import StageRun
 from core.engine.stream import train_stream
+from core.export.folder import atomic_folder, check_replaceable
 from core.recipe.config import Config
 from core.recipe.sections import VQVAEObjective
 from data.transforms import eval_transform, pretrain_transform

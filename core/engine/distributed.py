@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from core import gpus
+from core.launch import gpus
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def pick_device(preference: str) -> torch.device:
     """`auto` takes CUDA when torch sees a GPU, else the CPU, but never the CPU on a node whose GPUs torch cannot use.
 
     Raises:
-        ValueError: `cuda` without a GPU, or GPUs that nvidia-smi lists and torch does not see (`core.gpus`); the
+        ValueError: `cuda` without a GPU, or GPUs that nvidia-smi lists and torch does not see (`core.launch.gpus`); the
             pre-flight refuses the same before launch.sh starts any process.
     """
     problem = gpus.cuda_unusable(preference)

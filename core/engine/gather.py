@@ -1,5 +1,5 @@
 """A module's full weights out of the engine (ZeRO-3 partitions gathered, fp16 runs' fp32 masters) or out of a saved
-checkpoint of any ZeRO stage, and their export as the plain timm model the recipe describes."""
+checkpoint of any ZeRO stage: what core/export/folder.py's `export_state_dict` then writes."""
 
 from __future__ import annotations
 
@@ -11,10 +11,7 @@ from torch import nn
 
 from core.compat import deepspeed as ds_compat
 from core.engine.distributed import DistInfo
-from core.engine.export import export_model
 from core.engine.fp16 import fp32_master_weights, zero0_masters_from_checkpoint
-from core.models.build import build_model, model_args
-from core.recipe.config import Config
 
 
 def gather_state_dict(engine, module: nn.Module, dist: DistInfo) -> dict[str, torch.Tensor] | None:
@@ -52,16 +49,3 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int) -> dict[s
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-
-
-def export_state_dict(cfg: Config, state_dict: dict, out_dir: Path, *, num_classes: int, manifest: dict) -> Path:
-    """Rebuild the plain timm model on CPU, load `state_dict` strictly and export it (timm HF layout)."""
-    model = build_model(cfg, num_classes=num_classes)
-    model.load_state_dict(state_dict, strict=True)
-    data_config = {
-        "mean": cfg.data.mean,
-        "std": cfg.data.std,
-        "interpolation": "bicubic",
-        "crop_pct": cfg.data.eval_crop_pct,
-    }
-    return export_model(model, out_dir, model_args=model_args(model), manifest=manifest, data_config=data_config)

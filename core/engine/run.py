@@ -28,9 +28,9 @@ from core.engine.setup import parallelize
 from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
 from core.engine.utilisation import device_peak
-from core.logging import MetricsLogger
+from core.launch.rundir import ALLOW_FLAG, Relaunch, keep_launch_config, mark_finished, relaunch
 from core.recipe.config import Config, dump_config, load_config
-from core.rundir import ALLOW_FLAG, Relaunch, keep_launch_config, mark_finished, relaunch
+from core.report.logging import MetricsLogger
 from data.specs import dataset_size
 from data.workers import start_fork_server
 
@@ -44,7 +44,7 @@ pre-flight exits)."""
 
 def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config], None] | None = None) -> StageRun:
     """Parse `RECIPE [overrides] [--allow-config-change]`, load the config, join the process group, check that the
-    launch may go on in run_dir (core/rundir.py), keep its config, find the resume point.
+    launch may go on in run_dir (core/launch/rundir.py), keep its config, find the resume point.
 
     Resume order: this run_dir's `checkpoints/latest`, else from scratch (fine-tuning applies `model.init`
     first; a resumed checkpoint is loaded over it).
@@ -101,8 +101,8 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
 
 
 def check_relaunch(cfg: Config, dist: DistInfo, total_steps: int, *, allow_change: bool) -> list[str]:
-    """Whether this launch may go on in `cfg.run_dir` (core/rundir.py), decided by rank 0 and told to every rank, so
-    that all of them stop or none. Returns what rank 0 logs about it (the settings a resume changes).
+    """Whether this launch may go on in `cfg.run_dir` (core/launch/rundir.py), decided by rank 0 and told to every
+    rank, so that all of them stop or none. Returns what rank 0 logs about it (the settings a resume changes).
 
     Raises:
         StageExit: On every rank: code `EXIT_REFUSED` when the latest checkpoint there was written by another config

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from core.engine.distributed import DistInfo
 from core.engine.train_state import TrainState
-from core.logging import MetricsLogger
 from core.recipe.config import Config
+from core.report.logging import MetricsLogger
 
 
 @dataclass

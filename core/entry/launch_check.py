@@ -1,13 +1,13 @@
-"""launch.sh's pre-launch check (`python -m core.entry.launch_check RECIPE ...`, core/launch.py `check_launch`) with
-each recipe `stage`'s own checks: imported only for the stage launched, since fine-tuning's pull in the hand-off and
-timm's models."""
+"""launch.sh's pre-launch check (`python -m core.entry.launch_check RECIPE ...`, core/launch/check.py `check_launch`)
+with each recipe `stage`'s own checks: imported only for the stage launched, since fine-tuning's pull in the hand-off
+and timm's models."""
 
 from __future__ import annotations
 
 import sys
 
-from core.launch import check_launch
-from core.preflight import StageChecks
+from core.launch.check import check_launch
+from core.launch.preflight import StageChecks
 
 
 def pretrain_checks() -> StageChecks:

@@ -226,7 +226,7 @@ class EngineConfig(Section):
     """Stop (exit code 3, one line) at a spike after this many rollbacks."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when torch sees a GPU, else the CPU, but refused on a node whose GPUs torch cannot use
-    (core/gpus.py); cpu: the CPU even on a GPU node."""
+    (core/launch/gpus.py); cpu: the CPU even on a GPU node."""
     attention: Literal["auto", "sdpa", "math"] = "auto"
     """sdpa: torch's fused scaled_dot_product_attention; math: timm's explicit matmul-softmax attention; auto: sdpa
     on CUDA, math on CPU, where torch's fused kernel is slower in bf16."""

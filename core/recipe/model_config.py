@@ -48,7 +48,7 @@ class ModelConfig(Section):
     the init export's `pooling_hint` (else the cls token). Pretraining always uses the cls-token layout."""
     init: str | None = None
     """Fine-tuning: weights to start from: our export folder, an official MAE/DeiT checkpoint, a timm state dict
-    (.pth/.bin/.safetensors); see finetune/handoff.py."""
+    (.pth/.bin/.safetensors); see core/export/handoff.py."""
     trust_checkpoint: bool = False
     """Allow unpickling non-tensor objects from `init` (official MAE checkpoints carry argparse args). Only for files
     you trust: a pickle can run code."""

@@ -27,8 +27,8 @@ from core.engine.rollback import TooManyRollbacksError
 from core.engine.setup import parallelize
 from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
-from core.logging import MetricsLogger
 from core.recipe.config import dump_config, load_config
+from core.report.logging import MetricsLogger
 from data.pipeline import zero_counts
 from tests.dist.nonfinite_worker import Toy
 

@@ -17,8 +17,8 @@ from core.engine.loop import LoopHooks, NonFiniteLossError, train
 from core.engine.setup import parallelize
 from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
-from core.logging import MetricsLogger
 from core.recipe.config import dump_config, load_config
+from core.report.logging import MetricsLogger
 from data.pipeline import zero_counts
 from tests.dist.cpu_fp16 import allow_cpu_fp16
 

@@ -12,7 +12,7 @@ import timm
 import torch
 from safetensors.torch import load_file
 
-from core.engine.export import export_model
+from core.export.folder import export_model
 from core.models.vit import build_vit, vit_model_args
 from tests.dist.test_finetune_dist import finetune_recipe
 from tests.launching import launch, read_metrics, write_recipe

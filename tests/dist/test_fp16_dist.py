@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.engine.export import export_model
+from core.export.folder import export_model
 from core.models.vit import build_vit, vit_model_args
 from tests.launching import REPO, finetune_recipe, pretrain_recipe, read_metrics, torchrun, write_recipe
 

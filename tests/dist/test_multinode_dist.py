@@ -242,7 +242,7 @@ def test_slurm_allocation_sets_nodes_rank_and_master(shards, tmp_path):
     proc = dry_run(recipe, bin_dir, **slurm, SLURM_GPUS_ON_NODE="4", SLURM_STEP_NUM_NODES="2", SLURM_STEP_NUM_TASKS="2")
     assert proc.returncode == 0, proc.stderr
     assert (
-        "core.torchrun --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr gpu-07 --master-port 24242"
+        "core.launch.torchrun --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr gpu-07 --master-port 24242"
         in proc.stdout
     )
     assert "2 nodes x 4 processes per node = world size 8, this is node 1" in proc.stderr

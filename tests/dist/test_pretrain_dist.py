@@ -131,7 +131,7 @@ def test_dry_run_prints_config_and_torchrun_command(shards, tmp_path):
     proc = launch(recipe, "optim.base_lr=2e-3", "--dry-run", extra_env={"NNODES": "2", "NODE_RANK": "1"})
     assert proc.returncode == 0, proc.stdout
     assert "base_lr: 0.002" in proc.stdout
-    assert "core.torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2" in proc.stdout
+    assert "core.launch.torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2" in proc.stdout
     assert "-m pretrain" in proc.stdout and not (tmp_path / "run").exists()
 
 

@@ -11,11 +11,11 @@ import safetensors.torch
 import timm
 import torch
 
-from core.engine.export import export_model
-from finetune.checkpoints import read_checkpoint
+from core.export.folder import export_model
+from core.export.handoff import load_encoder, read_pooling_hint
+from core.export.read import read_checkpoint
 from finetune.convert import STANDARD_WIDTHS
 from finetune.convert import main as convert_main
-from finetune.handoff import load_encoder, read_pooling_hint
 from tests.helpers.models import wide_vit
 
 

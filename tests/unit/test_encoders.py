@@ -9,12 +9,12 @@ import torch
 from timm.optim import param_groups_layer_decay
 
 import core.models.build  # noqa: F401  (registers t2t_vit_* and vt_resnet* with timm)
-from core.engine.gather import export_state_dict
+from core.export.folder import export_state_dict
+from core.export.handoff import load_encoder
 from core.models.build import build_model
 from core.recipe.config import ConfigError, load_config
 from data.masking import UnitMaskGenerator
 from finetune.classification import Classification
-from finetune.handoff import load_encoder
 from pretrain.objectives import objective_builder
 
 TINY = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2"]

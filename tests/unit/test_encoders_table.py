@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.export.handoff import fit_problems
+from core.export.read import Checkpoint
 from core.models.build import build_model
 from core.recipe.config import load_config
-from finetune.checkpoints import Checkpoint
-from finetune.handoff import fit_problems
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = ("vit", "hybrid", "t2t", "vt", "hybrid_simmim", "t2t_simmim")  # the table's rows, in order

@@ -5,7 +5,7 @@ import torch
 
 import finetune.evaluate as evaluate_module
 from core.engine.distributed import DistInfo
-from core.pictures import abbreviate, matrix_layout
+from core.report.pictures import abbreviate, matrix_layout
 from finetune.evaluate import ROW_TITLE, confusion_cell_text, confusion_image, evaluate, per_class_table
 
 DIST = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -7,8 +7,8 @@ import safetensors.torch
 import timm
 import torch
 
-from core.engine import export as export_module
-from core.engine.export import export_model
+from core.export import folder as export_module
+from core.export.folder import export_model
 from tests.helpers.models import WIDE, wide_vit
 
 ARGS = {**WIDE, "mlp_ratio": 4.0}  # the export's model_args for wide_vit()

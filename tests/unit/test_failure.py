@@ -1,5 +1,5 @@
 """How a rank ends on an error (core/engine/failure.py): one console line, the traceback in run_dir/logs; and the
-one-line report of a failed torchrun run (core/torchrun.py)."""
+one-line report of a failed torchrun run (core/launch/torchrun.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from core.engine import failure
 from core.engine.distributed import nccl_error_handling
-from core.torchrun import failure_line
+from core.launch.torchrun import failure_line
 from data.decode import LabelError
 
 MESSAGE = "sample train_00000070 in shard /data/train-000002.tar has no .cls label (fields: json, png)"

@@ -1,6 +1,6 @@
-"""The GPUs a node's processes may use (core/gpus.py) and the refusal to fall back to the CPU on a node whose GPUs
-torch cannot use, with a stand-in nvidia-smi on PATH (tests/launching.py `fake_nvidia_smi`) and this machine's torch,
-which sees no GPU."""
+"""The GPUs a node's processes may use (core/launch/gpus.py) and the refusal to fall back to the CPU on a node whose
+GPUs torch cannot use, with a stand-in nvidia-smi on PATH (tests/launching.py `fake_nvidia_smi`) and this machine's
+torch, which sees no GPU."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from core import gpus
 from core.engine.distributed import pick_device
+from core.launch import gpus
 from tests.launching import fake_nvidia_smi
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no GPU")

@@ -7,9 +7,9 @@ import safetensors.torch
 import torch
 from timm.layers import resample_patch_embed
 
-from core.engine.export import export_model
+from core.export.folder import export_model
+from core.export.handoff import load_encoder
 from core.models.pos_embed import sincos_pos_embed_2d
-from finetune.handoff import load_encoder
 from tests.helpers.models import wide_vit
 
 

@@ -18,8 +18,8 @@ from core.engine.loop import LoopHooks, train
 from core.engine.setup import parallelize
 from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
-from core.logging import MetricsLogger
 from core.recipe.config import dump_config, load_config
+from core.report.logging import MetricsLogger
 from data.pipeline import zero_counts
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy")

@@ -213,7 +213,7 @@ def test_monitor_in_one_process(capsys, tmp_path):
     """The whole `evaluate(step)` on a tiny random MAE encoder: synthetic classes are told apart by colour alone."""
     from types import SimpleNamespace
 
-    from core.logging import MetricsLogger
+    from core.report.logging import MetricsLogger
     from pretrain.knn import knn_monitor
     from pretrain.mae import MAE
     from tests.launching import write_synthetic

@@ -3,7 +3,7 @@
 and GPU nodes; one process per GPU the node may use (CUDA_VISIBLE_DEVICES, the SLURM step); and the refusal to start
 on a node whose GPUs torch cannot use.
 
-PYTHON is a stand-in that runs launch.sh's own Python steps (`-m core.gpus`, `-m launch`) with this interpreter
+PYTHON is a stand-in that runs launch.sh's own Python steps (`-m core.launch.gpus`, `-m launch`) with this interpreter
 and, where launch.sh would start torchrun, prints the variables and torchrun's arguments instead. GPU nodes are a
 stand-in nvidia-smi on PATH (tests/launching.py `fake_nvidia_smi`); this machine's torch sees no GPU.
 """
@@ -31,7 +31,7 @@ def _launch(tmp_path: Path, shards, *overrides: str, gpus: int | None = None, **
     python = tmp_path / "python"
     python.write_text(
         "#!/usr/bin/env bash\n"
-        'if [[ "$1 $2" == "-m core.torchrun" ]]; then\n'
+        'if [[ "$1 $2" == "-m core.launch.torchrun" ]]; then\n'
         '    echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-}"\n'
         '    echo "ARGS: $*"; exit 0\n'
         "fi\n"

@@ -1,8 +1,10 @@
 """The package layers hold (docs/layout.md): read with `ast` from the product sources, so every import counts, at
 module level, inside a function or under `TYPE_CHECKING`.
 
-    core.compat  <-  data  <-  core (recipe, models, engine, ...)  <-  pretrain, finetune  <-  core.entry
+    core.compat <- data <- core.recipe <- core.models, core.launch, core.report <- core.engine <- core.export
+        <- pretrain, finetune <- core.entry
 
+A package imports only packages of lower layers (LAYERS), never one of its own layer or above. Beside that:
 core.compat imports nothing of ours outside itself; data imports only core.compat; core imports no stage but in
 core.entry (the `mimpipe` command and launch.sh's check, above the stages), which nothing imports; the recipe schema
 imports no model code (nor timm, whose package import loads all its models); only core.compat and core.engine import
@@ -24,6 +26,18 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("core", "data", "pretrain", "finetune")
 DYNAMIC = "<a module named at run time>"
 STAGES = ("pretrain", "finetune")
+# Bottom first. A module of our packages imports, outside its own package, only modules of a lower layer.
+LAYERS = (
+    ("core.compat",),
+    ("data",),
+    ("core.recipe",),
+    ("core.models", "core.launch", "core.report"),
+    ("core.engine",),
+    ("core.export",),
+    STAGES,
+    ("core.entry",),
+)
+LEVEL = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -124,6 +138,45 @@ def breaches(graph: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def package_of(module: str) -> str | None:
+    """The LAYERS package `module` belongs to; None for a module of no layer (core/__init__.py, not ours)."""
+    parts = module.split(".")
+    return next((p for p in (".".join(parts[:2]), parts[0]) if p in LEVEL), None)
+
+
+def layer_breaches(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a package of the same layer or a higher one, as `importer -> imported (why)`."""
+    out = []
+    for importer, targets in sorted(graph.items()):
+        mine = package_of(importer)
+        for target in sorted(targets):
+            theirs = package_of(target)
+            if mine and theirs and mine != theirs and LEVEL[theirs] >= LEVEL[mine]:
+                out.append(f"{importer} -> {target} ({theirs} is not below {mine})")
+    return out
+
+
+def test_every_product_module_has_a_layer():
+    assert [module for module in product_modules() if module != "core" and package_of(module) is None] == []
+
+
+def test_packages_import_only_lower_layers():
+    assert layer_breaches(import_graph()) == []
+
+
+def test_a_layer_breach_is_found():
+    graph = {
+        "core.engine.gather": {"core.export.folder", "core.engine.fp16", "core.recipe.config", "torch"},
+        "core.launch.preflight": {"core.report.logging"},
+        "core.export.read": {"finetune.best"},
+    }
+    assert layer_breaches(graph) == [
+        "core.engine.gather -> core.export.folder (core.export is not below core.engine)",
+        "core.export.read -> finetune.best (finetune is not below core.export)",
+        "core.launch.preflight -> core.report.logging (core.report is not below core.launch)",
+    ]
+
+
 def test_no_import_cycle():
     assert cycles(import_graph()) == []
 
@@ -147,7 +200,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
         "pretrain/export.py": "def f():\n    import deepspeed.utils\n",
         "finetune/__init__.py": "",
         "finetune/preflight.py": "",
-        "core/rundir.py": "from finetune import preflight\n",
+        "core/launch/rundir.py": "from finetune import preflight\n",
         "core/entry/__init__.py": "",
         "core/entry/launch_check.py": "def f():\n    from finetune import preflight\n",
     }
@@ -158,7 +211,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     assert cycles(graph) == [["core.engine.loop", "core.engine.meter"]]
     assert breaches(graph) == [
         f"core.engine.plan -> {DYNAMIC} (imports are written out, so that this graph sees them)",
-        "core.rundir -> finetune.preflight (core imports no stage)",
+        "core.launch.rundir -> finetune.preflight (core imports no stage)",
         "data.pipeline -> core.engine.loop (data imports only core.compat of ours)",
         "pretrain.export -> deepspeed (only core.compat and core.engine import deepspeed)",
     ]

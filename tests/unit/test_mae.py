@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from core.models.pos_embed import sincos_pos_embed_2d
-from core.pictures import title_height
+from core.report.pictures import title_height
 from pretrain.mae import MAE, normalize_patches, patchify, reconstruction_grid, unpatchify
 from tests.helpers.models import wide_vit
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from core.metrics import topk_correct
+from core.report.metrics import topk_correct
 
 
 def test_topk_correct_on_hand_made_example():

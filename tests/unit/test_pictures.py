@@ -7,9 +7,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
-from core.logging import MetricsLogger, flat_hparams
-from core.pictures import PADDING, bar_chart, bar_chart_origin, image_grid, title_height, upscale_nearest
 from core.recipe.config import Config
+from core.report.logging import MetricsLogger, flat_hparams
+from core.report.pictures import PADDING, bar_chart, bar_chart_origin, image_grid, title_height, upscale_nearest
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.pictures import MASKED_GREY, OUTLINE, code_usage, code_usage_picture, masked_patch_grid
 from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2, class_colors, quantize_color

@@ -24,8 +24,8 @@ from core.engine.run import run_loop
 from core.engine.setup import parallelize
 from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
-from core.logging import MetricsLogger
 from core.recipe.config import dump_config, load_config
+from core.report.logging import MetricsLogger
 from data.pipeline import zero_counts
 from tests.helpers.models import tiny_vit
 from tests.launching import read_metrics

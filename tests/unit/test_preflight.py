@@ -1,6 +1,6 @@
-"""Pre-flight (core/preflight.py and the stages' preflight.py) through `python -m core.entry.launch_check`, the check
-launch.sh runs before any process starts: each bad input is one line `launch.sh: KEY: ...` naming the file, exit code 2,
-no traceback; good input passes and the plan says what was checked."""
+"""Pre-flight (core/launch/preflight.py and the stages' preflight.py) through `python -m core.entry.launch_check`, the
+check launch.sh runs before any process starts: each bad input is one line `launch.sh: KEY: ...` naming the file, exit
+code 2, no traceback; good input passes and the plan says what was checked."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from core.entry.launch_check import main as launch_check
+from core.launch.rundir import mark_finished
 from core.recipe.config import dump_config, load_config
-from core.rundir import mark_finished
 from data.__main__ import main as data_main
 from finetune.preflight import resolve
 from tests.helpers.models import tiny_vit
@@ -234,7 +234,7 @@ def test_disk_too_small_for_the_checkpoints_kept(capsys, monkeypatch, tmp_path, 
     # The tiny ViT (2 blocks of 32 wide, 4 classes) has 27,748 parameters: 16 bytes each with AdamW (fp32 weights,
     # master copy and two moments), 444 kB.
     assert code == 0 and "free for 4 checkpoints of about 444.0 kB each" in printed
-    monkeypatch.setattr("core.preflight.free_bytes", lambda path: (1_000_000, tmp_path))
+    monkeypatch.setattr("core.launch.preflight.free_bytes", lambda path: (1_000_000, tmp_path))
     code, lines, printed = check(capsys, recipe, "checkpoint.keep_last=3")
     assert code == 2 and lines == [
         f"launch.sh: run_dir: {tmp_path}/run: 1.0 MB free on the filesystem of {tmp_path}, the run needs room for 4 "

@@ -1,6 +1,6 @@
-"""A run_dir is one run (core/rundir.py): which config differences a relaunch refuses and which it applies, when a
-run counts as finished, that each launch's config is kept, and that a resumed run's logs hold each step once
-(core/logging.py)."""
+"""A run_dir is one run (core/launch/rundir.py): which config differences a relaunch refuses and which it applies, when
+a run counts as finished, that each launch's config is kept, and that a resumed run's logs hold each step once
+(core/report/logging.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from core.logging import MetricsLogger, cut_metrics
-from core.recipe.config import dump_config, load_config
-from core.rundir import (
+from core.launch.rundir import (
     ALLOW_FLAG,
     MAY_CHANGE,
     config_changes,
@@ -22,6 +20,8 @@ from core.rundir import (
     mark_finished,
     relaunch,
 )
+from core.recipe.config import dump_config, load_config
+from core.report.logging import MetricsLogger, cut_metrics
 
 
 def base(run_dir: Path, *overrides: str):

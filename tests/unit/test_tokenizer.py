@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from core.pictures import title_height
+from core.report.pictures import title_height
 from pretrain.tokenizer import VQVAE, VectorQuantizerEMA, load_tokenizer, tokenizer_grid
 from pretrain.train_tokenizer import export_tokenizer
 

@@ -25,8 +25,8 @@ from core.engine.utilisation import (
     measure_cpu_tflops,
     start_meter,
 )
-from core.logging import MetricsLogger
 from core.recipe.config import Config
+from core.report.logging import MetricsLogger
 from finetune.classification import Classification
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.mae import MAE

@@ -1,4 +1,4 @@
-"""Weights & Biases beside TensorBoard (core/wandb_log.py, offline as the tests keep it: tests/conftest.py): the
+"""Weights & Biases beside TensorBoard (core/report/wandb_log.py, offline as the tests keep it: tests/conftest.py): the
 offline run's files hold metrics.jsonl's scalars, its images and histograms; a resumed or rolled-back run continues
 the one W&B run and sends no step twice; without wandb installed, `logging.wandb.enabled` fails at start-up."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from core.logging import MetricsLogger
 from core.recipe.config import ConfigError, WandbConfig, load_config
-from core.wandb_log import ID_FILE, WandbSink
+from core.report.logging import MetricsLogger
+from core.report.wandb_log import ID_FILE, WandbSink
 from tests.helpers.wandb_files import history, offline_runs, run_ids
 
 OFFLINE = WandbConfig(enabled=True, mode="offline", project="tests")

@@ -1,13 +1,13 @@
-"""Pre-flight: what launch.sh checks (through core/launch.py) before any process starts, so that bad input stops
+"""Pre-flight: what launch.sh checks (through core/launch/check.py) before any process starts, so that bad input stops
 with one line naming the recipe key and the file instead of a traceback from every rank minutes later.
 
 Checked here for every stage: `engine.device` can run here (no silent CPU fallback on a node whose GPUs torch
 cannot use); `run_dir` can be created and written; every data split the stage reads resolves to shards, and the
 first sample of its first local shard has an image field (and, for fine-tuning, a label `data.decode.read_label` can
 read); a schedule in epochs has a sample count; an evaluation split has a shard for every rank (each rank reads its
-own, `make_eval_loader`); the filesystem of `run_dir` has room for the checkpoints kept (core/disk.py); a relaunch
-into a run_dir whose latest checkpoint another config wrote is refused, and one into a finished run is found
-(core/rundir.py).
+own, `make_eval_loader`); the filesystem of `run_dir` has room for the checkpoints kept (core/launch/disk.py); a
+relaunch into a run_dir whose latest checkpoint another config wrote is refused, and one into a finished run is found
+(core/launch/rundir.py).
 Each stage adds its own checks (pretrain/preflight.py, finetune/preflight.py), handed in by
 core/entry/launch_check.py as `StageChecks`: `check(cfg, findings, world_size)`
 (`model.init`, `distill.teacher` and the labels' range for fine-tuning, the tokenizer target and the kNN sets for
@@ -32,10 +32,10 @@ import torch
 import webdataset as wds
 from torch import nn
 
-from core.disk import checkpoint_bytes, describe_bytes, folder_bytes, free_bytes
-from core.gpus import cuda_unusable
+from core.launch.disk import checkpoint_bytes, describe_bytes, folder_bytes, free_bytes
+from core.launch.gpus import cuda_unusable
+from core.launch.rundir import Relaunch, latest_checkpoint, relaunch
 from core.recipe.config import Config, ConfigError
-from core.rundir import Relaunch, latest_checkpoint, relaunch
 from data.decode import IMAGE_FIELDS, LabelError, image_field, read_label
 from data.specs import dataset_size, describe_shards, is_mixture, resolve_shards
 
@@ -87,7 +87,7 @@ def preflight(cfg: Config, stage: StageChecks, *, world_size: int = 1, allow_cha
         cfg: The launch's config.
         stage: The checks of the stage the recipe runs.
         world_size: Processes the launch will have.
-        allow_change: `--allow-config-change` was passed (see core/rundir.py).
+        allow_change: `--allow-config-change` was passed (see core/launch/rundir.py).
     """
     findings = Findings()
     check_device(cfg.engine.device, findings)
@@ -210,7 +210,7 @@ def check_epochs(cfg: Config, findings: Findings) -> None:
 
 def check_device(device: str, findings: Findings) -> None:
     """`engine.device` can run here: `cuda` has a GPU, and `auto` does not fall back to the CPU on a node whose GPUs
-    torch cannot use (core/gpus.py)."""
+    torch cannot use (core/launch/gpus.py)."""
     problem = cuda_unusable(device)
     if problem is not None:
         findings.fail("engine.device", problem)
@@ -243,8 +243,8 @@ def describe_spec(spec: str | list[str]) -> str:
 
 def check_disk(cfg: Config, trained_module, findings: Findings) -> None:
     """The filesystem of `run_dir` has room for `checkpoint.keep_last + 1` checkpoints (the peak while saving; see
-    core/disk.py) less those already there. One checkpoint's size is the latest one's in run_dir, else the estimate
-    from `trained_module(cfg)` built on the meta device."""
+    core/launch/disk.py) less those already there. One checkpoint's size is the latest one's in run_dir, else the
+    estimate from `trained_module(cfg)` built on the meta device."""
     ckpt_dir = Path(cfg.run_dir) / "checkpoints"
     saved = [p for p in ckpt_dir.glob("step_*") if p.is_dir()] if ckpt_dir.is_dir() else []
     latest = latest_checkpoint(cfg.run_dir)
@@ -274,9 +274,9 @@ def check_disk(cfg: Config, trained_module, findings: Findings) -> None:
 
 
 def check_relaunch(cfg: Config, resolve, findings: Findings, *, allow_change: bool) -> Relaunch:
-    """A launch into a run_dir that holds a checkpoint (core/rundir.py): refused when another config wrote it (unless
-    `allow_change`); found finished when it reached this schedule's end. `resolve` completes the config as the entry
-    point will before comparing it."""
+    """A launch into a run_dir that holds a checkpoint (core/launch/rundir.py): refused when another config wrote it
+    (unless `allow_change`); found finished when it reached this schedule's end. `resolve` completes the config as the
+    entry point will before comparing it."""
     if latest_checkpoint(cfg.run_dir) is None:
         return Relaunch()
     resolved = cfg.model_copy(deep=True)

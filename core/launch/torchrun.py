@@ -5,7 +5,7 @@ itself and a table per rank, after the ranks' own output (SIGTERM: a `SignalExce
 said what went wrong (core/engine/failure.py), so here the failed ranks are listed on one line, each with its exit
 code or the signal that ended it. The exit code stays torchrun's: 1.
 
-    python -m core.torchrun [torchrun options] -m MODULE [args ...]
+    python -m core.launch.torchrun [torchrun options] -m MODULE [args ...]
 """
 
 from __future__ import annotations

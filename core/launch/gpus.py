@@ -1,6 +1,6 @@
 """The GPUs this node's processes may use, counted without torch, and the check that torch can use them.
 
-`python -m core.gpus` prints the count; launch.sh takes its default processes per node from it. The count is the
+`python -m core.launch.gpus` prints the count; launch.sh takes its default processes per node from it. The count is the
 smallest of what applies here:
 - `nvidia-smi -L`: the GPUs the driver sees on the node (with no nvidia-smi, this limit is unknown);
 - SLURM, inside a job: the GPUs of this step on this node (`SLURM_GPUS_ON_NODE`, which srun sets for the step and
@@ -95,7 +95,7 @@ def cuda_unusable(device: str, env: Mapping[str, str] = os.environ) -> str | Non
     """
     if device == "cpu":
         return None
-    import torch  # imported here: `python -m core.gpus` runs before every launch and needs no torch
+    import torch  # imported here: `python -m core.launch.gpus` runs before every launch and needs no torch
 
     if torch.cuda.is_available():
         return None

@@ -1,4 +1,4 @@
-"""Weights & Biases as a second sink of `MetricsLogger` (core/logging.py), on rank 0 only: the scalars, images,
+"""Weights & Biases as a second sink of `MetricsLogger` (core/report/logging.py), on rank 0 only: the scalars, images,
 histograms and the run's settings that go to TensorBoard go to one W&B run too (`logging.wandb`, docs/logging.md).
 
 One run_dir is one W&B run: its id is written to `run_dir/wandb_id` at the first launch, and every later launch in

@@ -1,7 +1,7 @@
-"""Hand a pretrained encoder to fine-tuning: load, resize the position grid and patch kernel, initialise the head,
-report.
+"""Hand a pretrained encoder to a stage (fine-tuning today): load, resize the position grid and patch kernel,
+initialise the head, report.
 
-Accepts every format of `finetune/checkpoints.py` (our export, official MAE pretraining / fine-tuned, timm state
+Accepts every format of `core/export/read.py` (our export, official MAE pretraining / fine-tuned, timm state
 dicts, DeiT distilled), read without running code unless the caller trusts the file. Every checkpoint tensor ends
 up in exactly one bucket of the `LoadReport`:
 
@@ -32,12 +32,7 @@ import torch
 from timm.layers import resample_abs_pos_embed, resample_patch_embed, to_2tuple
 from timm.models import VisionTransformer
 
-from core.models.pos_embed import sincos_pos_embed_2d
-from core.models.t2t_vit import T2TViT
-from core.models.vt import VTResNet
-from core.recipe.config import Config
-from core.recipe.geometry import soft_split_grid
-from finetune.checkpoints import (
+from core.export.read import (
     Checkpoint,
     checkpoint_keys,
     has_module,
@@ -46,6 +41,11 @@ from finetune.checkpoints import (
     read_checkpoint,
     read_manifest,
 )
+from core.models.pos_embed import sincos_pos_embed_2d
+from core.models.t2t_vit import T2TViT
+from core.models.vt import VTResNet
+from core.recipe.config import Config
+from core.recipe.geometry import soft_split_grid
 
 # Parts of a timm ViT that pool and classify; a pretrained encoder provides them only with `keep_head`.
 HEAD_MODULES = ("head", "head_dist", "attn_pool", "fc")
@@ -62,7 +62,7 @@ class LoadReport:
 
     source: str
     checkpoint_format: str = ""
-    """One of `finetune.checkpoints.FORMATS` (not `format`: that name is the summary method)."""
+    """One of `core.export.read.FORMATS` (not `format`: that name is the summary method)."""
     loaded: list[str] = field(default_factory=list)
     resized: list[tuple[str, tuple[int, int], tuple[int, int]]] = field(default_factory=list)
     """(key, checkpoint size, model size): patch grid for pos_embed, e.g. ('pos_embed', (7, 7), (8, 8)); kernel

@@ -29,7 +29,9 @@ from timm.models import VisionTransformer
 
 from core.compat import timm as timm_compat
 from core.engine.ckpt_files import fsync_path
-from core.manifest import MANIFEST_NAME
+from core.export.manifest import MANIFEST_NAME
+from core.models.build import build_model, model_args
+from core.recipe.config import Config
 
 _ADDED_MANIFEST_KEYS = ("created", "num_tensors", "num_params", "versions")
 _DATA_CONFIG_KEYS = ("mean", "std", "interpolation", "crop_pct", "crop_mode")
@@ -75,6 +77,19 @@ def export_model(
         (tmp_dir / MANIFEST_NAME).write_text(json.dumps(full_manifest, indent=2) + "\n")
         _check_rebuilds(model, tmp_dir, tensors)
     return out_dir
+
+
+def export_state_dict(cfg: Config, state_dict: dict, out_dir: Path, *, num_classes: int, manifest: dict) -> Path:
+    """Rebuild the plain timm model on CPU, load `state_dict` strictly and export it (timm HF layout)."""
+    model = build_model(cfg, num_classes=num_classes)
+    model.load_state_dict(state_dict, strict=True)
+    data_config = {
+        "mean": cfg.data.mean,
+        "std": cfg.data.std,
+        "interpolation": "bicubic",
+        "crop_pct": cfg.data.eval_crop_pct,
+    }
+    return export_model(model, out_dir, model_args=model_args(model), manifest=manifest, data_config=data_config)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 The run_dir's latest checkpoint holds the config that wrote it (`checkpoints/<tag>/config.yaml`). A relaunch whose
 resolved config differs from it only in `MAY_CHANGE` keys resumes with the new values (listed on one line); any
-other difference is refused, before any process starts (launch.sh's pre-flight, core/launch.py) and again by the
+other difference is refused, before any process starts (launch.sh's pre-flight, core/launch/check.py) and again by the
 stage entry point (rank 0 decides, see core/engine/run.py), unless the launch passes `--allow-config-change`. A run
 that reached the end of its schedule and exported leaves `finished.json`: relaunching it with the same schedule does
 nothing (exit 0); a longer one continues it. The first launch's config is `config.yaml`, each later launch's goes to

@@ -32,7 +32,7 @@ import safetensors.torch
 import torch
 from timm.models import VisionTransformer
 
-from core.manifest import MANIFEST_NAME
+from core.export.manifest import MANIFEST_NAME
 
 FORMATS = ("mimpipe-export", "mae-pretrain", "mae-finetune", "timm", "deit-distilled")
 TRUST_HINT = "model.trust_checkpoint=true (python -m finetune convert: --trust-checkpoint)"

@@ -1,9 +1,9 @@
 """Pre-launch check used by launch.sh (through `python -m core.entry.launch_check`, which hands in each stage's own
 checks): validate the recipe, the launch topology and the batch split for the world size the launch will have, and
-pre-flight the recipe's files (core/preflight.py), before any process starts; print
+pre-flight the recipe's files (core/launch/preflight.py), before any process starts; print
 the plan (stderr; with --dry-run also the resolved config) and the module to run (stdout, the only thing launch.sh
 reads). Every problem is one line on stderr, `launch.sh: KEY: ...`, and exit code 2. A run_dir whose run already
-finished this schedule prints nothing on stdout and exits 0: launch.sh then starts nothing (core/rundir.py).
+finished this schedule prints nothing on stdout and exits 0: launch.sh then starts nothing (core/launch/rundir.py).
 
 The world size is nodes x processes per node, or, for a DeepSpeed hostfile, the sum of the processes on the hosts
 used. Errors name the environment variable launch.sh took the value from.
@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.preflight import StageChecks, preflight
+from core.launch.preflight import StageChecks, preflight
+from core.launch.rundir import ALLOW_FLAG
 from core.recipe.config import ConfigError, dump_config, load_config
-from core.rundir import ALLOW_FLAG
 
 # The module launch.sh runs for each `stage` (the tokenizer is trained by the pretraining entry point).
 STAGE_MODULES = {"pretrain": "pretrain", "tokenizer": "pretrain", "finetune": "finetune"}

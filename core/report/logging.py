@@ -1,11 +1,11 @@
 """Rank-0 run logging: TensorBoard under `run_dir/tb`, the same scalars in `run_dir/metrics.jsonl`, and console
-progress, and Weights & Biases when `logging.wandb.enabled` (core/wandb_log.py). Every other rank gets a logger whose
-methods do nothing, so call sites need no rank checks.
+progress, and Weights & Biases when `logging.wandb.enabled` (core/report/wandb_log.py). Every other rank gets a logger
+whose methods do nothing, so call sites need no rank checks.
 
 A resumed run logs each step once: what the interrupted run logged after the checkpoint's step is dropped from
 metrics.jsonl (rewritten atomically before anything is appended) and from TensorBoard (`purge_step`: TensorBoard
 discards the earlier events from that step on when it reads the new event file's start marker); W&B keeps the first
-values of a step instead (see core/wandb_log.py)."""
+values of a step instead (see core/report/wandb_log.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from core.recipe.config import WandbConfig
-from core.wandb_log import WandbSink, last_logged_step
+from core.report.wandb_log import WandbSink, last_logged_step
 
 
 class MetricsLogger:
