@@ -15,6 +15,7 @@ graph could not follow. No two modules import each other, directly or through ot
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,17 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
 def test_schema_imagenet_statistics_are_timms(ours, timms):
     """The schema writes timm's ImageNet mean and std out (importing timm would load its models with every recipe)."""
     assert ours == timms
+
+
+def test_pyproject_installs_every_product_package():
+    """An installed (or editable) mimpipe holds every package of the tree: each folder of ours is a package with an
+    __init__.py, and pyproject lists them all by name."""
+    folders = [
+        d for p in PACKAGES for d in [ROOT / p, *(ROOT / p).rglob("*")] if d.is_dir() and d.name != "__pycache__"
+    ]
+    assert [str(d.relative_to(ROOT)) for d in folders if not (d / "__init__.py").is_file()] == []
+    # (tomllib is Python 3.11's; the list is a plain literal)
+    listed = ast.literal_eval(
+        re.search(r"^packages = (\[.*?\])$", (ROOT / "pyproject.toml").read_text(), re.M | re.S)[1]
+    )
+    assert sorted(listed) == sorted(module_name(d / "__init__.py", ROOT) for d in folders)
