@@ -24,15 +24,13 @@ import os
 import platform
 import pstats
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.workers import machine_lines, run_worker, worker_env
+from benchmarks.workers import extract_tree, machine_lines, run_worker, worker_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -237,17 +235,6 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
         cases += [Case(objective, None), *(Case(objective, stage) for stage in stages)]
         cases += [Case(objective, stage, args.before) for stage in stages] if args.before else []
     return cases
-
-
-def extract_tree(rev: str, scratch: Path) -> Path:
-    """The repository's files at git revision `rev`, unpacked under `scratch`, less its benchmarks/: the worker is
-    this tree's, only the product code it imports is the revision's."""
-    archive = subprocess.run(["git", "archive", rev], cwd=REPO, check=True, stdout=subprocess.PIPE).stdout
-    root = scratch / f"tree-{rev.replace('/', '_').replace('~', '_')}"
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        product = [member for member in tar.getmembers() if member.name.split("/")[0] != "benchmarks"]
-        tar.extractall(root, members=product, filter="data")
-    return root
 
 
 def run_case(case: Case, args: argparse.Namespace, scratch: Path, trees: dict[str, Path], profile: bool) -> dict:

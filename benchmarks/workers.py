@@ -5,11 +5,13 @@ that makes its own one-process group and writes its timings as JSON to `spec["ou
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
 import platform
 import subprocess
 import sys
+import tarfile
 from importlib.metadata import version
 from pathlib import Path
 
@@ -47,3 +49,14 @@ def machine_lines(threads: int) -> list[str]:
         f"- torch {torch.__version__}, deepspeed {version('deepspeed')}, timm {version('timm')}, "
         f"python {platform.python_version()}, {' '.join(platform.libc_ver())}",
     ]
+
+
+def extract_tree(rev: str, scratch: Path) -> Path:
+    """The repository's files at git revision `rev`, unpacked under `scratch`, less its benchmarks/: the worker is
+    this tree's, only the product code it imports is the revision's."""
+    archive = subprocess.run(["git", "archive", rev], cwd=REPO, check=True, stdout=subprocess.PIPE).stdout
+    root = scratch / f"tree-{rev.replace('/', '_').replace('~', '_')}"
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        product = [member for member in tar.getmembers() if member.name.split("/")[0] != "benchmarks"]
+        tar.extractall(root, members=product, filter="data")
+    return root

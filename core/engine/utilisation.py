@@ -5,17 +5,22 @@ The FLOPs are counted by torch's `FlopCounterMode` on a copy of the objective ru
 stream's first micro-batch, so the count follows the model, the objective (MAE's dropped tokens, a decoder, a head)
 and the attention kernel. The copy and the batch are fake tensors (shapes, no data, no memory), so counting computes
 nothing and allocates nothing, and training itself is untouched (the RNGs are restored afterwards). The peak per
-device is `engine.peak_tflops`, or the datasheet figure of a known GPU, or a matmul measured on the CPU at start-up.
+device is `engine.peak_tflops`, or the datasheet figure of a known GPU, or a matmul measured on the CPU: once per
+machine, thread count, precision and torch version, then read from a cache file (`cpu_peak_cache`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+import json
+import os
 import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -170,7 +175,7 @@ def device_peak(configured: float | None, precision: str, device: torch.device) 
 
     `configured` (`engine.peak_tflops`) wins. On a GPU the datasheet bf16 dense peak; fp32 runs are measured against
     it too (their matmuls run as TF32 or slower: the gap is what bf16 would gain). On CPU a matmul in the run's
-    precision, measured now.
+    precision, measured by the first launch on this machine and read from `cpu_peak_cache()` by the later ones.
     """
     if configured is not None:
         return configured, "engine.peak_tflops"
@@ -180,8 +185,52 @@ def device_peak(configured: float | None, precision: str, device: torch.device) 
         if tflops is None:
             return None, f"no datasheet peak known for GPU {name!r}: set engine.peak_tflops to log perf/mfu"
         return tflops, f"{name} datasheet bf16 dense peak"
+    return cached_cpu_tflops(precision)
+
+
+def cpu_peak_cache() -> Path:
+    """The file of measured CPU peaks: in $MIMPIPE_CACHE_DIR, else $XDG_CACHE_HOME/mimpipe, else ~/.cache/mimpipe."""
+    if os.environ.get("MIMPIPE_CACHE_DIR"):
+        return Path(os.environ["MIMPIPE_CACHE_DIR"]) / "cpu_peak.json"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mimpipe" / "cpu_peak.json"
+
+
+def cached_cpu_tflops(precision: str) -> tuple[float, str]:
+    """`measure_cpu_tflops(precision)` at the current thread count, measured once per CPU model, thread count,
+    precision and torch version and kept in `cpu_peak_cache()` (a second of every launch otherwise); delete the file
+    to measure again. An unreadable cache is measured over; one that cannot be written is left as it is."""
+    threads = torch.get_num_threads()
+    key = f"{_cpu_model()} | {threads} threads | {precision} | torch {torch.__version__}"
+    what = f"{precision} 1024x1024 matmul measured at {threads} threads"
+    path = cpu_peak_cache()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if not isinstance(cached, dict):
+        cached = {}
+    tflops = cached.get(key)
+    if isinstance(tflops, (int, float)) and tflops > 0:
+        return float(tflops), f"{what}, cached in {path}"
     tflops = measure_cpu_tflops(precision)
-    return tflops, f"{precision} 1024x1024 matmul measured at {torch.get_num_threads()} threads"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({**cached, key: tflops}, indent=1) + "\n")
+        os.replace(tmp, path)  # ranks measuring at once each write a whole file; the last one stays
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    return tflops, what
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else f"{os.uname().machine} CPU"
 
 
 def start_meter(run: StageRun, module: nn.Module, batches: Iterator[dict]) -> tuple[Utilisation | None, Iterator]:

@@ -243,7 +243,8 @@ class EngineConfig(Section):
     peak_tflops: float | None = Field(None, gt=0)
     """Peak TFLOP/s of one device, the denominator of `perf/mfu`. None: on a GPU its datasheet bf16 dense peak
     (H100, H200, A100, A10, L4, V100; see core/engine/utilisation.py; fp32 runs are measured against it too; an
-    unknown GPU logs no mfu), on CPU a matmul in the run's precision measured at start-up."""
+    unknown GPU logs no mfu), on CPU a matmul in the run's precision, measured by the first launch on the machine and
+    cached (docs/tensorboard.md)."""
 
     compile: bool = False
     """Compile the objective's repeated blocks (encoder `blocks`, MAE's `decoder_blocks`) with torch.compile
