@@ -1,5 +1,5 @@
 # mimpipe: make quickstart | make test | make lint | make bench | make bench-memory | make bench-data | make bench-resume |
-#         make smoke-recipes | make encoders-table | make bench-quality | make gpu-check
+#         make bench-startup | make smoke-recipes | make encoders-table | make bench-quality | make gpu-check
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
@@ -8,7 +8,7 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: install quickstart quickstart-beit quickstart-data test test-faults test-unit test-dist lint format bench bench-memory \
-	bench-data bench-resume smoke-recipes encoders-table bench-quality gpu-check recipe-reference
+	bench-data bench-resume bench-startup smoke-recipes encoders-table bench-quality gpu-check recipe-reference
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -123,6 +123,11 @@ bench-data: install
 # from its start, on generated shards (~3 minutes): benchmarks/results/resume.md.
 bench-resume: install
 	$(PY) -m benchmarks.bench_resume
+
+# Start-up: ./launch.sh recipes/quickstart.yaml to its first training step, in phases (check, engine, loop), 3 rounds
+# (~2 minutes; STARTUP_ARGS="--before REV" adds an older tree side by side): benchmarks/results/startup.md.
+bench-startup: quickstart-data
+	$(PY) -m benchmarks.bench_startup $(STARTUP_ARGS)
 
 # Representation quality (issue 14): MAE, BEiT-style, ViT-paper MPP and SimMIM pretraining of one ViT, then 1% / 10% /
 # full-label fine-tuning and an L-BFGS linear probe of each encoder and of scratch (recipes/bench/): hours on 2 cores,
