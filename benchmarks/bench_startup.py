@@ -45,24 +45,31 @@ def launch(tree: Path, run_dir: Path, log: Path) -> dict[str, float]:
     ]  # fmt: skip
     env = {**os.environ, "PYTHON": sys.executable}
     start = time.perf_counter()
-    marks: dict[str, float] = {}
-    lines = []
     with subprocess.Popen(
         ["./launch.sh", "recipes/quickstart.yaml", *overrides], cwd=tree, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1,
     ) as proc:  # fmt: skip
-        for line in proc.stdout:
-            now = time.perf_counter() - start
-            lines.append(f"{now:7.2f} {line}")
-            if "[mimpipe] pre-flight:" in line:
-                marks["check"] = now
-            elif "[mimpipe] " in line and "check" in marks and "engine" not in marks and "plan:" not in line:
-                marks["engine"] = now
-            elif match := FIRST_STEP.search(line):
-                marks["loop"] = now - float(match[1])
-    log.write_text("".join(lines))
-    if proc.returncode != 0 or set(marks) != set(PHASES):
-        raise RuntimeError(f"launch from {tree} (exit {proc.returncode}) lacks {set(PHASES) - set(marks)}; see {log}")
+        timed = [(time.perf_counter() - start, line) for line in proc.stdout]
+    log.write_text("".join(f"{now:7.2f} {line}" for now, line in timed))
+    phases = read_phases(timed)
+    if proc.returncode != 0 or phases is None:
+        raise RuntimeError(f"launch from {tree} (exit {proc.returncode}) lacks a phase's line; see {log}")
+    return phases
+
+
+def read_phases(timed: list[tuple[float, str]]) -> dict[str, float] | None:
+    """The seconds of each phase and their total ("total") from a launch's output lines and the seconds after the
+    start at which each arrived; None when a phase's line is missing."""
+    marks: dict[str, float] = {}
+    for now, line in timed:
+        if "[mimpipe] pre-flight:" in line:
+            marks["check"] = now
+        elif "[mimpipe] " in line and "check" in marks and "engine" not in marks and "plan:" not in line:
+            marks["engine"] = now
+        elif match := FIRST_STEP.search(line):
+            marks["loop"] = now - float(match[1])
+    if set(marks) != set(PHASES):
+        return None
     ends = [marks[p] for p in PHASES]
     begins = [0.0, *ends[:-1]]
     return {"total": ends[-1], **{p: end - begin for p, begin, end in zip(PHASES, begins, ends, strict=True)}}
@@ -98,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(scratch)
         trees = {"this tree": REPO}
         if args.before:
-            trees[f"`{args.before}`"] = extract_tree(args.before, scratch)
+            rev = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=REPO, check=True, text=True,
+                                 stdout=subprocess.PIPE).stdout.strip()  # fmt: skip
+            trees[f"`{rev}` ({args.before})"] = extract_tree(args.before, scratch)
         runs: dict[str, list[dict]] = {name: [] for name in trees}
         for r in range(args.rounds):
             for name in list(trees)[:: -1 if r % 2 else 1]:
