@@ -8,7 +8,7 @@
 # installed into a private folder. Then, each step bounded so that the whole stays inside SECONDS (default 540):
 #   1. tests/gpu, 8 at a time (OUT_DIR/tests.log);
 #   2. bench_gpu per model at one batch (--start-batch = --max-batch = $BATCH, 256 unless set), bf16 eager and the
-#      fp32 control, then bf16 compiled if time is left (OUT_DIR/gpu_<model>.md, OUT_DIR/bench_<model>.log).
+#      fp32 control, then bf16 compiled if time is left (OUT_DIR/gpu_<model>_<modes>.md, bench_<model>_<modes>.log).
 # Exits with pytest's status. What a step had not finished when its time ran out is missing from OUT_DIR.
 set -u
 out="${1:?usage: benchmarks/gpu_lease.sh OUT_DIR [SECONDS]}"
