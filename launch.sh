@@ -3,8 +3,9 @@
 # A recipe key's type, default and meaning:  ./launch.sh --explain KEY   (all of them: docs/recipe-reference.md)
 #
 # Run one launch.sh per node: it checks the recipe, the batch split and the files the recipe names (a problem is one
-# line and exit code 2), prints the plan, then starts torchrun, which spawns this node's processes. With HOSTFILE, one
-# launch.sh starts every node (DeepSpeed's launcher, ssh).
+# line and exit code 2), prints the plan, then starts torchrun, which spawns this node's processes (one process on one
+# node: launch.sh becomes it, without torchrun). With HOSTFILE, one launch.sh starts every node (DeepSpeed's
+# launcher, ssh).
 # --dry-run stops after printing the resolved config, the plan and the command.
 # A run_dir is one run (docs/run_dir.md): relaunching into one whose latest checkpoint another config wrote is refused
 # (run_dir=NEW_DIR starts a new run; --allow-config-change continues that one with this config), and relaunching a
@@ -33,7 +34,7 @@ die() { echo "launch.sh: $*" >&2; exit 2; }
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"  # the comment block above
     exit 2
 fi
 python="${PYTHON:-}"
@@ -92,10 +93,16 @@ elif [[ -n "${SLURM_JOB_ID:-}" && -z "$nnodes" ]]; then
 fi
 nnodes="${nnodes:-1}"
 master_addr="${master_addr:-127.0.0.1}"
-if [[ -z "$master_port" ]]; then  # one node: any free port, so two runs can share a host
+nproc_per_node="${NPROC_PER_NODE:-$default_nproc}"
+# One process on one node needs no torchrun agent (seconds of imports): launch.sh becomes the process, which makes
+# a process group of one itself (core/engine/distributed.py). Its exit code is the stage's own (3, 4: docs/processes.md).
+single=0
+if [[ "$nnodes" == 1 && "$nproc_per_node" == 1 && -z "${HOSTFILE:-}" && -z "${RDZV_ENDPOINT:-}" ]]; then
+    single=1
+fi
+if [[ -z "$master_port" && "$single" -eq 0 ]]; then  # one node: any free port, so two runs can share a host
     if [[ "$nnodes" == 1 && -z "${HOSTFILE:-}" ]]; then master_port="$(free_port)"; else master_port=29500; fi
 fi
-nproc_per_node="${NPROC_PER_NODE:-$default_nproc}"
 
 # Validate the recipe, the topology and the batch split, and pre-flight the recipe's files (data, model.init, run_dir)
 # before any process starts; print the plan. A problem is one line naming the key and the file, exit code 2.
@@ -108,6 +115,8 @@ elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
     rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-mimpipe}}"
     check_args+=(--nnodes "$nnodes" --nproc-per-node "$nproc_per_node"
                  --launcher "torchrun, c10d rendezvous $RDZV_ENDPOINT id $rdzv_id, max restarts $max_restarts")
+elif [[ "$single" -eq 1 ]]; then
+    check_args+=(--nnodes 1 --nproc-per-node 1 --launcher "one process, started without torchrun")
 else
     check_args+=(--nnodes "$nnodes" --nproc-per-node "$nproc_per_node" --node-rank "$node_rank"
                  --launcher "torchrun, master $master_addr:$master_port")
@@ -162,6 +171,8 @@ elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
     if [[ "$max_restarts" -gt 0 ]]; then
         cmd=(env "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}" "${cmd[@]}")
     fi
+elif [[ "$single" -eq 1 ]]; then
+    cmd=("$python" -m "$module" "$recipe" "${overrides[@]}")
 else
     cmd=("$python" -m core.launch.torchrun
          --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc_per_node"

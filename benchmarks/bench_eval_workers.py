@@ -81,14 +81,14 @@ def _worker(spec: dict) -> int:
     """One process: a gloo group of one, then `passes` timed passes of the case; seconds per pass to spec["out"]."""
     import torch.distributed as dist
 
-    from data import workers
+    from data import worker_process, workers
     from data.pipeline import make_eval_loader
     from data.transforms import eval_transform
 
     dist.init_process_group("gloo", init_method=f"file://{spec['out']}.store", rank=0, world_size=1)
     case, num_workers = spec["case"], spec["workers"]
     if case in ("fork", "spawn"):
-        workers.START_METHOD = case  # what _make_loader asks multiprocessing for
+        worker_process.START_METHOD = case  # what worker_process.context() asks multiprocessing for
     transform = eval_transform(16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), crop_pct=1.0)
 
     def loader():
@@ -100,8 +100,8 @@ def _worker(spec: dict) -> int:
     kept = None
     if case == "persistent":  # the same stream, in a loader whose workers stay between passes
         kept = workers.worker_loader(
-            loader().dataset, num_workers=num_workers, timeout_s=workers.LOADER_TIMEOUT_S, rank=0, batch_size=None,
-            persistent_workers=True,
+            loader().dataset, num_workers=num_workers, timeout_s=worker_process.LOADER_TIMEOUT_S, rank=0,
+            batch_size=None, persistent_workers=True,
         )  # fmt: skip
     seconds = []
     for _ in range(spec["passes"]):

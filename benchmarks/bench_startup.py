@@ -8,9 +8,11 @@ monitor and pre-flight), cut to 2 steps into a fresh run_dir. The phases are rea
 launch's output arrives:
 
     check    launch.sh's own work and its pre-launch check (recipe, topology, pre-flight), up to the plan it prints
-    engine   torchrun, the rank's imports, the model, the DeepSpeed engine, up to the rank's first `[mimpipe]` line
-    loop     from there to the first training step starting: the FLOP count and peak for perf/mfu, the data
-             workers' start ("first step: X s" arrives when the step ends; it started X s before)
+    engine   torchrun (several processes), the rank's imports, its process group, the model and the DeepSpeed
+             engine, up to the `[mimpipe] stage ...` line printed once the engine is built
+    loop     from there to the first training step starting: the first batch from the data workers (before issue 28's
+             start-up work, also the FLOP count and peak for perf/mfu) ("first step: X s" arrives when the step
+             ends; it started X s before)
 
 Rounds interleave the trees (in reverse order on odd rounds), so both see the same machine load. Writes
 benchmarks/results/startup.md. The goal (issue 28): at most 6 s in all on an idle 2-core machine.
@@ -64,7 +66,7 @@ def read_phases(timed: list[tuple[float, str]]) -> dict[str, float] | None:
     for now, line in timed:
         if "[mimpipe] pre-flight:" in line:
             marks["check"] = now
-        elif "[mimpipe] " in line and "check" in marks and "engine" not in marks and "plan:" not in line:
+        elif line.startswith("[mimpipe] stage ") and "check" in marks and "engine" not in marks:
             marks["engine"] = now
         elif match := FIRST_STEP.search(line):
             marks["loop"] = now - float(match[1])
@@ -124,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         *render(runs),
         "",
         "Medians over the launches. Phases (module docstring): check = launch.sh and its pre-launch check up to the "
-        "plan; engine = torchrun, the rank's imports, model and DeepSpeed engine up to its first line; loop = from "
-        "there to the first step starting. Goal (issue 28): at most 6 s to the first step on an idle 2-core machine.",
+        "plan; engine = torchrun (several processes), the rank's imports, model and DeepSpeed engine up to the "
+        "`[mimpipe] stage` line; loop = from there to the first step starting. Goal (issue 28): at most 6 s to the "
+        "first step on an idle 2-core machine.",
         "",
     ]
     publish("\n".join(lines), args.out)

@@ -66,10 +66,10 @@ def record_meter(found: list) -> None:
 
     start = loop.start_meter
 
-    def recording(run, module, batches):
-        meter, batches = start(run, module, batches)
+    def recording(run, module, batch):
+        meter = start(run, module, batch)
         found.append(meter)
-        return meter, batches
+        return meter
 
     loop.start_meter = recording
 

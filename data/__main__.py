@@ -23,8 +23,8 @@ from PIL import Image
 from data import sources
 from data.decode import CORRUPT_IMAGE_ERRORS, LabelError, decode_rgb, image_field, read_label
 from data.index import index_shards, local_shards, shard_samples
-from data.specs import dataset_size
-from data.write import INDEX_FILE, read_index, write_shards
+from data.specs import INDEX_FILE, dataset_size, read_index
+from data.write import write_shards
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from data.decode import image_field, read_label
-from data.specs import resolve_shards
-from data.write import INDEX_FILE
+from data.specs import INDEX_FILE, resolve_shards
 
 # As webdataset reads a tar: metadata members `__name__` are skipped, a member `dir/key.ext.more` is field
 # `ext.more` of sample `dir/key` (`base_plus_ext`), field names lower-cased, consecutive members of one key grouped.

@@ -56,7 +56,8 @@ from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS, decode_rgb, image_fi
 from data.order import TrainOrder
 from data.shard_read import ShardCounts, ShardReadPolicy, read_shard
 from data.specs import WeightedShards, dataset_size, describe_shards, sample_quotas
-from data.workers import LOADER_TIMEOUT_S, worker_loader
+from data.worker_process import LOADER_TIMEOUT_S
+from data.workers import worker_loader
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,14 @@ holds them (`core.recipe.config.TrainSource`); each becomes one `WeightedShards`
 """
 
 import glob
+import json
 import os
 from typing import Any, NamedTuple
 
-import webdataset as wds
+from core.compat import webdataset as wds_compat
 
-from data.write import INDEX_FILE, read_index
+INDEX_FILE = "index.json"
+"""The file beside a split's shards that lists them with their sample counts (data/write.py writes it)."""
 
 
 class WeightedShards(NamedTuple):
@@ -19,6 +21,19 @@ class WeightedShards(NamedTuple):
 
     shards: list[str]
     weight: float
+
+
+def read_index(directory: str) -> dict[str, Any]:
+    """Loads `directory/index.json`.
+
+    Raises:
+        ValueError: If the directory has no index.
+    """
+    path = os.path.join(directory, INDEX_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"shard directory {directory} has no {INDEX_FILE}")
+    with open(path) as f:
+        return json.load(f)
 
 
 def resolve_shards(spec: str | list[str] | list[Any]) -> list[str]:
@@ -49,7 +64,7 @@ def resolve_shards(spec: str | list[str] | list[Any]) -> list[str]:
     elif any(c in spec for c in "*?["):
         shards = sorted(glob.glob(spec))
     else:
-        shards = wds.shardlists.expand_urls(spec)
+        shards = wds_compat.expand_urls(spec)
     missing = [s for s in shards if not _is_url(s) and not os.path.isfile(s)]
     if not shards or (missing and len(missing) == len(shards) and shards != [spec]):
         raise ValueError(f"shard spec {spec} matches no files")

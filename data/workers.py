@@ -1,22 +1,5 @@
-"""How a rank's DataLoader workers start, stop and time out: never forked from the rank, dead with it, never silent.
-
-Start: by the time a loader starts its workers the rank runs threads (gloo's, OpenMP's, the pin-memory thread, the
-queue feeders of its other loaders). `fork()` copies only the calling thread, so a lock another thread held at that
-moment stays locked in the child for good: a kNN query loader's worker once deadlocked right after its fork. Workers
-are therefore started by multiprocessing's fork server: one single-threaded server per rank, a fresh interpreter
-(fork + exec, which is safe) that imports the data modules once (`PRELOAD`), forks each worker from itself and hands
-it the pickled stream (which must pickle, transform included). A worker starts in milliseconds instead of `spawn`'s
-seconds of imports (benchmarks/results/eval_workers.md), so evaluation loaders are made afresh at every evaluation.
-
-SIGTERM: torchrun signals a rank's whole process group and SLURM every process of the step, server and workers
-included. A worker that died of it would fail its rank before the preemption checkpoint (core/engine/preempt.py), so
-workers start with SIGTERM blocked (the server is started with it blocked and its children inherit the mask), and a
-thread in each worker exits it on its own rank's SIGTERM only (DataLoader's `terminate()` of a worker that does not
-stop when told).
-
-Death: a thread in each worker waits on its rank's pidfd and exits the worker the moment the rank is gone, however
-it went (kill -9 included); the server exits once the rank and all workers have. A worker that exits this way (or on
-its rank's SIGTERM) kills the processes it started first (a `pipe:` shard's command).
+"""A rank's DataLoader whose workers start from the fork server, die with their rank and are never silent
+(data/worker_process.py says how the processes start and stop).
 
 Timeout: a rank that waits `timeout_s` for a batch raises `DataWorkerTimeout`, which names the worker that owes it,
 instead of waiting forever for a worker stuck in a shard read or a transform.
@@ -24,29 +7,14 @@ instead of waiting forever for a worker stuck in a shard read or a transform.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import multiprocessing
-import multiprocessing.forkserver
 import os
-import select
-import signal
-import threading
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-START_METHOD = "forkserver"
-PRELOAD = ["__main__", "data.pipeline", "data.transforms", "data.masking"]
-"""Imported once by the fork server, so each worker has them at its fork. `__main__` is a script's own module (a
-`python -m` entry point has none to preload); a transform from a module not listed is imported by each worker."""
-
-LOADER_TIMEOUT_S = 1800.0
-"""The longest a rank waits for one batch from its workers (`data.loader_timeout_s`), the first one included: that
-fills a shuffle buffer (up to 256 MiB of encoded samples per worker) and may retry shard reads first; at 1800 s a
-first batch still arrives from storage that gives each worker ~150 KB/s."""
+from data import worker_process
+from data.worker_process import init_worker, sigterm_blocked
 
 _TIMED_OUT = "DataLoader timed out after"  # the start of torch's own message
 
@@ -68,32 +36,16 @@ def worker_loader(dataset, *, num_workers: int, timeout_s: float, rank: int, **k
     """
     if num_workers == 0:
         return DataLoader(dataset, num_workers=0, **kwargs)
-    init = functools.partial(_init_worker, os.getpid())
+    init = functools.partial(init_worker, os.getpid())
     return _WorkerLoader(
         dataset,
         num_workers=num_workers,
         timeout=timeout_s,
-        multiprocessing_context=_context(),
+        multiprocessing_context=worker_process.context(),
         worker_init_fn=init,
         rank=rank,
         **kwargs,
     )
-
-
-def start_fork_server() -> None:
-    """Start this process's fork server now rather than at the first loader's first iter(), so that its imports
-    (seconds) overlap the rank's own set-up instead of delaying the first batch."""
-    _context()
-    if START_METHOD == "forkserver":
-        with _sigterm_blocked():  # see _WorkerLoader.__iter__
-            multiprocessing.forkserver.ensure_running()
-
-
-def _context() -> multiprocessing.context.BaseContext:
-    context = multiprocessing.get_context(START_METHOD)
-    if START_METHOD == "forkserver":
-        context.set_forkserver_preload(PRELOAD)  # read when the server starts
-    return context
 
 
 class _WorkerLoader(DataLoader):
@@ -107,7 +59,7 @@ class _WorkerLoader(DataLoader):
         # Processes inherit the mask of the thread that starts them: the fork server (started at the first iter())
         # and the resource tracker, hence every worker, begin with SIGTERM blocked. A SIGTERM meanwhile waits, then
         # reaches the rank's handler.
-        with _sigterm_blocked():
+        with sigterm_blocked():
             batches = super().__iter__()
         return _named_timeouts(batches, self.rank, self.timeout)
 
@@ -138,77 +90,3 @@ def _timeout_message(batches, rank: int, timeout_s: float) -> str:
         "a shard read or a transform is stuck in it: check the shards it reads, or raise data.loader_timeout_s if "
         "batches can take that long"
     )
-
-
-@contextlib.contextmanager
-def _sigterm_blocked():
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _init_worker(rank_pid: int, worker_id: int) -> None:
-    """DataLoader's `worker_init_fn`: in each worker, before its first sample."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # already blocked from the start (see __iter__)
-    threading.Thread(target=_exit_on_sigterm_from, args=(rank_pid,), name="mimpipe-sigterm", daemon=True).start()
-    threading.Thread(target=_exit_with, args=(rank_pid,), name="mimpipe-rank-watch", daemon=True).start()
-
-
-def _exit_on_sigterm_from(rank_pid: int) -> None:
-    while True:
-        info = signal.sigwaitinfo({signal.SIGTERM})
-        if info.si_pid in (rank_pid, os.getppid()):
-            _exit_worker()
-
-
-def _exit_with(pid: int) -> None:
-    """Exits this worker as soon as process `pid` has ended."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        _exit_worker()
-    except OSError:  # no pidfd (Linux < 5.3): poll
-        while _alive(pid):
-            time.sleep(1.0)
-        _exit_worker()
-    select.select([pidfd], [], [])  # readable once the process has ended
-    _exit_worker()
-
-
-def _exit_worker() -> None:
-    """Ends this worker at once, and every process it started: a `pipe:` shard's command (a shell, the curl or
-    reader under it) would otherwise outlive it, holding the run's output open."""
-    for pid in _descendants(os.getpid()):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    os._exit(0)
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes below `pid`: its children, theirs, and so on (one scan of /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit():
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(parent, []).append(int(entry.name))
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

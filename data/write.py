@@ -22,8 +22,7 @@ import webdataset as wds
 from PIL import Image
 
 from data.sources import Sample
-
-INDEX_FILE = "index.json"
+from data.specs import INDEX_FILE
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -123,19 +122,6 @@ def write_shards(
         json.dump(index, f, indent=1)
     os.replace(tmp_path, os.path.join(out_dir, INDEX_FILE))
     return index
-
-
-def read_index(directory: str) -> dict[str, Any]:
-    """Loads `directory/index.json`.
-
-    Raises:
-        ValueError: If the directory has no index.
-    """
-    path = os.path.join(directory, INDEX_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"shard directory {directory} has no {INDEX_FILE}")
-    with open(path) as f:
-        return json.load(f)
 
 
 def _close_shard(writer: wds.TarWriter, out_dir: str, name: str) -> None:

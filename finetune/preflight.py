@@ -13,7 +13,6 @@ import itertools
 import os
 
 import torch
-from torch import nn
 
 from core.export.handoff import PATCH_KERNEL, fit_problems, resolve_global_pool
 from core.export.read import read_checkpoint
@@ -22,9 +21,7 @@ from core.models.build import build_model
 from core.recipe.config import Config
 from data.decode import image_field, read_label
 from data.index import shard_samples
-from data.specs import dataset_classes, resolve_shards
-from data.write import INDEX_FILE, read_index
-from finetune.probe_ema import make_linear_probe
+from data.specs import INDEX_FILE, dataset_classes, read_index, resolve_shards
 from finetune.teacher import teacher_is_folder
 
 LABEL_SAMPLES = 64
@@ -41,21 +38,6 @@ def check(cfg: Config, findings: Findings, world_size: int) -> None:
     check_num_classes(cfg, findings)
     if not findings.problems:
         check_label_range(cfg, findings)
-
-
-def trained_module(cfg: Config) -> nn.Module:
-    """The classifier a checkpoint of this recipe holds (its EMA is counted by the caller; a distillation teacher,
-    frozen and usually of the student's size, is left out), for the free-space estimate; the caller builds it on
-    the meta device.
-
-    Raises:
-        ValueError: The class count is unknown (`check_num_classes` says so).
-    """
-    num_classes = cfg.model.num_classes or len(dataset_classes(cfg.data.train))
-    if not num_classes:
-        raise ValueError("model.num_classes unknown")
-    model = build_model(cfg, num_classes=num_classes, plain=cfg.distill.kind == "none")
-    return make_linear_probe(model) if cfg.objective.mode == "linear_probe" else model
 
 
 def resolve(cfg: Config) -> None:

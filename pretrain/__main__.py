@@ -2,6 +2,9 @@
 
 python -m pretrain RECIPE [section.key=value ...]
 python -m pretrain export RUN_DIR [--step N]
+
+The stage itself is pretrain/stage.py, imported after `prestart` has started the data workers' fork server, so that
+the server's imports run beside the stage's (core/engine/prestart.py).
 """
 
 from __future__ import annotations
@@ -9,58 +12,15 @@ from __future__ import annotations
 import sys
 
 from core.engine.failure import run_guarded
-from core.engine.gather import gather_state_dict
-from core.engine.loop import LoopHooks
-from core.engine.run import finish_stage, run_loop, seed_everything, start_engine, start_stage
-from core.engine.stream import train_stream
-from core.export.folder import export_state_dict
-from pretrain.export import main as export_main
-from pretrain.export import pretrain_manifest
-from pretrain.knn import knn_monitor
-from pretrain.objectives import objective_builder, train_transform
-from pretrain.pictures import picture_hook
-from pretrain.train_tokenizer import train_tokenizer
+from core.engine.prestart import prestart
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["export"]:
-        return export_main(argv[1:])
+    prestart(argv)
+    from pretrain.stage import main as stage_main  # after prestart: seconds of imports, beside the fork server's
 
-    # Config, distributed init, run dir, resume point
-    run = start_stage("python -m pretrain", argv)
-    cfg, dist = run.cfg, run.dist
-    if cfg.stage == "tokenizer":
-        return train_tokenizer(run)
-
-    # Data: the endless training stream, positioned where the resumed run left it
-    batches = train_stream(run, train_transform(cfg), labels=False)
-
-    # Objective (same init on every rank) and engine
-    seed_everything(cfg.seed)
-    engine, optimizer = start_engine(run, objective_builder(cfg))
-
-    # Pictures of the objective's output on one fixed batch with fixed masks, comparable across steps
-    log_images = picture_hook(run, engine)
-
-    # Loop, with the kNN monitor when eval.knn.enabled (every eval.knn.every_steps and at the last step)
-    hooks = LoopHooks(evaluate=knn_monitor(run, engine), log_images=log_images)
-    code = run_loop(run, engine, optimizer, batches, hooks)
-    if code:
-        return code
-
-    # Export the encoder (consolidated from every ZeRO stage) in timm's layout.
-    state_dict = gather_state_dict(engine, engine.module.encoder, dist)
-    if dist.is_main and cfg.checkpoint.export_at_end:
-        manifest = pretrain_manifest(
-            cfg, step=run.state.step, source=run.recipe, objective_keys=engine.module.state_dict()
-        )
-        out = export_state_dict(cfg, state_dict, run.run_dir / "export", num_classes=0, manifest=manifest)
-        run.logger.console(
-            f"[mimpipe] encoder exported to {out} (timm.create_model('local-dir:{out}', pretrained=True))"
-        )
-    finish_stage(run)
-    return 0
+    return stage_main(argv)
 
 
 if __name__ == "__main__":

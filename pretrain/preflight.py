@@ -5,8 +5,6 @@ for every rank."""
 
 from __future__ import annotations
 
-from torch import nn
-
 from core.launch.preflight import Findings, check_split
 from core.recipe.config import Config
 from core.recipe.sections import BEiTObjective
@@ -30,19 +28,6 @@ def check(cfg: Config, findings: Findings, world_size: int) -> None:
 def resolve(cfg: Config) -> None:
     """Complete `cfg` as the entry point does before it compares it with a checkpoint's: pretraining leaves nothing
     to the run."""
-
-
-def trained_module(cfg: Config) -> nn.Module:
-    """What a checkpoint of this recipe holds (the objective, or the tokenizer of `stage: tokenizer`), for the
-    free-space estimate; the caller builds it on the meta device.
-
-    Raises:
-        ValueError: The objective cannot be built (a tokenizer target that does not load; `check_tokenizer` says why).
-    """
-    from pretrain.objectives import objective_builder
-    from pretrain.train_tokenizer import build_tokenizer
-
-    return build_tokenizer(cfg) if cfg.stage == "tokenizer" else objective_builder(cfg)()
 
 
 def check_tokenizer(cfg: Config, findings: Findings) -> None:

@@ -61,6 +61,12 @@ class MissingFilesystemError(RuntimeError):
     """A shard URL's object store needs an fsspec package that is not installed: no retry can help."""
 
 
+def expand_urls(spec: str) -> list[str]:
+    """webdataset's expansion of a shard string: `::`-separated parts, `${NAME}` from `$WDS_NAME`, brace ranges.
+    webdataset is imported here, not before: its package imports torch (seconds for launch.sh's check)."""
+    return importlib.import_module("webdataset.shardlists").expand_urls(spec)
+
+
 def open_shard(url: str) -> Any:
     """A readable stream of the shard at `url` (a file, a `Pipe` around a command or curl, an fsspec file)."""
     return _gopen().gopen(url, "rb")

@@ -25,8 +25,6 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-import torch.distributed as dist
-
 EXIT_ERROR = 1
 """Exit code of a rank that stopped on an exception (Python's own code for an uncaught one)."""
 
@@ -44,6 +42,7 @@ _PEER_LOST = (
 # torch's DataLoader re-raises a worker's exception as "Caught X in DataLoader worker process N.\nOriginal Traceback
 # (most recent call last): ..." with the original traceback text in the message; the original message ends it.
 _WORKER_TRACEBACK = "Original Traceback (most recent call last):"
+_DIST_ERRORS = ("DistNetworkError", "DistBackendError")
 
 _log_dir: Path | None = None
 
@@ -102,7 +101,8 @@ def report(err: BaseException) -> int:
 
 def peer_lost(err: BaseException) -> bool:
     """Whether `err` is a collective failing because another rank went away (its own error is the cause)."""
-    broken = isinstance(err, dist.DistNetworkError | dist.DistBackendError)
+    # By name: this module is imported before torch (core/engine/prestart.py); `torch.distributed`'s error classes.
+    broken = any(cls.__name__ in _DIST_ERRORS for cls in type(err).__mro__)
     return broken or (isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_LOST))
 
 

@@ -101,7 +101,7 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
     scale_loss = scales_loss_itself(engine)
     first_step = step = state.step + 1
     save_due = False  # a checkpoint step deferred by a non-finite streak: saved at the next read step without one
-    meter, batches = start_meter(run, engine.module, batches)
+    meter = first_batch = None  # the FLOPs are counted after the first step, on its first micro-batch (start_meter)
     first = _FirstStep.begin()  # None after the first step of this launch
     while step <= total_steps:
         lr = lr_at(
@@ -117,6 +117,8 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
             t0 = time.perf_counter()
             batch = next(batches)
             window.data_wait += time.perf_counter() - t0
+            if first_batch is None:
+                first_batch = batch
             state.consume(batch)
             window.corrupt += batch["num_corrupt"]
             window.shard_reads += batch["num_shard_reads"]
@@ -148,6 +150,9 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
         window.add_step(step_loss / accum, micro_batch * accum * dist.world_size)
         if first is not None:
             logger.console(first.end(window, excluded=not log_now))
+            counting = time.perf_counter()  # counted now, not before: training need not wait, only the first log
+            meter = start_meter(run, engine.module, first_batch)
+            window.start += time.perf_counter() - counting  # no part of the throughput
         if log_now:
             _log(run, window, meter, step, lr=lr, engine=engine, optimizer=optimizer)
         if not stop:  # a preempted run has seconds left (torchrun's and SLURM's grace): only the checkpoint counts

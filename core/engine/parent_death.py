@@ -4,7 +4,7 @@ torchrun starts each rank in a session of its own (`start_new_session`), so kill
 (a batch system, a test's timeout, ^C in a terminal) does not reach the ranks, and a launcher killed with SIGKILL
 cannot stop them itself: they would run on as orphans, holding GPUs and waiting forever in a collective. Linux's
 parent-death signal (`prctl(PR_SET_PDEATHSIG)`) closes that gap. A rank's data workers follow their rank
-(data/workers.py), and the fork server follows them.
+(data/worker_process.py), and the fork server follows them.
 """
 
 from __future__ import annotations

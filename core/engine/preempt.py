@@ -9,7 +9,7 @@ per batch whether anyone still has data, and they agree on the stop in the same 
 waiting for its next evaluation batch stops waiting at once (`next_unless_stopping`). A checkpoint being saved when
 the signal arrives is finished, and the loop then stops with it.
 
-DataLoader workers and their fork server ignore a SIGTERM that does not come from their rank (data/workers.py):
+DataLoader workers and their fork server ignore a SIGTERM that does not come from their rank (data/worker_process.py):
 torchrun (`killpg`) and SLURM (every process of the step) signal them too.
 """
 

@@ -5,6 +5,7 @@ and `finish_stage`."""
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,11 +29,11 @@ from core.engine.setup import parallelize
 from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
 from core.engine.utilisation import device_peak
+from core.launch.disk import checkpoint_room
 from core.launch.rundir import ALLOW_FLAG, Relaunch, keep_launch_config, mark_finished, relaunch
 from core.recipe.config import Config, dump_config, load_config
 from core.report.logging import MetricsLogger
 from data.specs import dataset_size
-from data.workers import start_fork_server
 
 EXIT_NONFINITE = 3
 """Process exit code after `engine.max_consecutive_nonfinite` non-finite steps in a row, or a loss spike after
@@ -67,8 +68,6 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
     log_tracebacks_to(cfg.run_dir)  # an error from here on leaves its traceback in run_dir/logs (see run_guarded)
     preempt.install()
     die_with_launcher()
-    if cfg.data.num_workers:
-        start_fork_server()  # its imports overlap the set-up below (data/workers.py)
     dist = init_distributed(cfg.engine.device)
     if resolve is not None:
         resolve(cfg)
@@ -122,10 +121,43 @@ def check_relaunch(cfg: Config, dist: DistInfo, total_steps: int, *, allow_chang
     return notes
 
 
+def check_room(run: StageRun, objective: nn.Module | Callable[[], nn.Module]) -> None:
+    """Whether the filesystem of run_dir has room for the checkpoints the run keeps (core/launch/disk.py), decided
+    by rank 0 and told to every rank, so that all of them stop or none; rank 0 logs what it found. An objective
+    given as its builder is built on the meta device for the estimate, the RNGs left as they were (every rank must
+    build the real one from the same state).
+
+    Raises:
+        StageExit: On every rank, code `EXIT_REFUSED`, when there is no room; rank 0's carries the line to print.
+    """
+    told: list[str | None] = [None]
+    if run.dist.is_main:
+        problem, note = checkpoint_room(run.cfg, functools.partial(_meta_module, objective))
+        told = [problem]
+        if problem is None:
+            run.logger.console(f"[mimpipe] {note}")
+    if run.dist.world_size > 1:
+        torch.distributed.broadcast_object_list(told, src=0)
+    if told[0] is not None:
+        raise StageExit(EXIT_REFUSED, f"[mimpipe] refused: run_dir: {told[0]}" if run.dist.is_main else None)
+
+
+def _meta_module(objective: nn.Module | Callable[[], nn.Module]) -> nn.Module:
+    if isinstance(objective, nn.Module):
+        return objective
+    rng = RNGState().state_dict()
+    try:
+        with torch.device("meta"):
+            return objective()
+    finally:
+        RNGState().load_state_dict(rng)
+
+
 def start_engine(run: StageRun, objective: nn.Module | Callable[[], nn.Module]):
     """DeepSpeed engine for `objective` (built under the shared seed), the checkpoint restored; prints the plan.
     `objective` may be the function that builds it (see `parallelize`)."""
     cfg, dist = run.cfg, run.dist
+    check_room(run, objective)
     universal = run.resume is not None and run.resume["universal"]
     engine, optimizer = parallelize(objective, cfg=cfg, dist=dist, run_dir=run.run_dir, load_universal=universal)
     seed_everything(cfg.seed + dist.rank)  # per-rank randomness (masks, drop path) from here on

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import json
 import os
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,36 +231,31 @@ def _cpu_model() -> str:
     return names[0] if names else f"{os.uname().machine} CPU"
 
 
-def start_meter(run: StageRun, module: nn.Module, batches: Iterator[dict]) -> tuple[Utilisation | None, Iterator]:
-    """Count the step's FLOPs on the stream's first micro-batch and take the peak (`run.peak`, found before the data
-    workers started, else found now); prints both.
-
-    Returns:
-        (the meter, or None when perf/mfu cannot be logged; `batches` with its first micro-batch put back).
-    """
+def start_meter(run: StageRun, module: nn.Module, batch: dict) -> Utilisation | None:
+    """Count a step's FLOPs on `batch` (a micro-batch of the stream, on the host) and take the peak (`run.peak`,
+    found before the data workers started, else found now); prints both. Returns the meter, or None when perf/mfu
+    cannot be logged."""
 
     cfg, dist, logger = run.cfg, run.dist, run.logger
     precision = cfg.engine.precision
     if is_partitioned(module):
         logger.console("[mimpipe] perf/mfu not logged: FLOPs are not counted on ZeRO-3 partitioned parameters")
-        return None, batches
+        return None
     peak, source = run.peak or device_peak(cfg.engine.peak_tflops, precision, dist.device)
     if peak is None:
         logger.console(f"[mimpipe] perf/mfu not logged: {source}")
-        return None, batches
-    first = next(batches)
-    batches = itertools.chain([first], batches)
+        return None
     try:
         flops = count_step_flops(
-            module, to_device(first, dist.device, precision), precision=precision, device=dist.device
+            module, to_device(batch, dist.device, precision), precision=precision, device=dist.device
         )
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         logger.console(f"[mimpipe] perf/mfu not logged: the step reads tensor values on the host ({error})")
-        return None, batches
+        return None
     per_step = flops * cfg.engine.grad_accum_steps
     logger.console(
         f"[mimpipe] utilisation: {per_step / 1e9:.4g} GFLOP per optimizer step per rank (FlopCounterMode); peak "
         f"{peak:.4g} TFLOP/s per device ({source}) x {dist.world_size}"
     )
     samples = cfg.batch_size_per_device(dist.world_size) * cfg.engine.grad_accum_steps * dist.world_size
-    return Utilisation(per_step, samples, peak * 1e12), batches
+    return Utilisation(per_step, samples, peak * 1e12)

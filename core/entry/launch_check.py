@@ -13,13 +13,13 @@ from core.launch.preflight import StageChecks
 def pretrain_checks() -> StageChecks:
     from pretrain import preflight
 
-    return StageChecks(preflight.check, preflight.resolve, preflight.trained_module)
+    return StageChecks(preflight.check, preflight.resolve)
 
 
 def finetune_checks() -> StageChecks:
     from finetune import preflight
 
-    return StageChecks(preflight.check, preflight.resolve, preflight.trained_module)
+    return StageChecks(preflight.check, preflight.resolve)
 
 
 STAGES = {"pretrain": pretrain_checks, "tokenizer": pretrain_checks, "finetune": finetune_checks}

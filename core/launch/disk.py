@@ -5,14 +5,23 @@ the EMA of the weights when there is one) and the optimizer state of its trained
 AdamW's two moments (12 bytes per parameter; SGD and LARS keep one momentum: 8). That is an upper estimate: ZeRO-0
 without fp16 keeps no master copy, and an fp16 run saves 2-byte weights. Saving writes the new checkpoint before the
 oldest of the `checkpoint.keep_last` is removed, so `keep_last + 1` are on disk at the peak.
+
+Rank 0 checks the room before its engine is built (`checkpoint_room`, core/engine/run.py `check_room`), with the
+objective in hand: launch.sh's check would have to import torch and timm to build one (seconds).
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch import nn
+from core.launch.rundir import latest_checkpoint
+from core.recipe.config import Config
+
+if TYPE_CHECKING:
+    from torch import nn
 
 OPTIMIZER_BYTES = {"adamw": 12, "sgd": 8, "lars": 8}
 """Optimizer state per trained parameter: the fp32 master copy and the moments (two for AdamW, one for momentum)."""
@@ -61,3 +70,32 @@ def describe_bytes(num: float) -> str:
         if num < 1000:
             return f"{num:.1f} {unit}"
     return f"{num / 1000:.1f} TB"
+
+
+def checkpoint_room(cfg: Config, objective: Callable[[], nn.Module]) -> tuple[str | None, str]:
+    """Whether the filesystem of `run_dir` has room for `checkpoint.keep_last + 1` checkpoints (the peak while
+    saving) less those already there. One checkpoint's size is the latest one's in run_dir, else the estimate from
+    the module `objective()` returns (called only then; it may build one on the meta device).
+
+    Returns:
+        (the problem in one line, or None; what was found, for the log).
+    """
+    ckpt_dir = Path(cfg.run_dir) / "checkpoints"
+    saved = [p for p in ckpt_dir.glob("step_*") if p.is_dir()] if ckpt_dir.is_dir() else []
+    latest = latest_checkpoint(cfg.run_dir)
+    if latest is not None and (ckpt_dir / latest.tag).is_dir():
+        size, how = folder_bytes(ckpt_dir / latest.tag), f"as checkpoints/{latest.tag}"
+    else:
+        module = objective()
+        size = checkpoint_bytes(module, cfg.optim.kind)
+        how = f"estimated from {sum(p.numel() for p in module.parameters()):,} parameters"
+    count = max(1, cfg.checkpoint.keep_last + 1 - len(saved))
+    free, where = free_bytes(cfg.run_dir)
+    needed = f"{count} checkpoint{'s' if count > 1 else ''} of about {describe_bytes(size)} each ({how})"
+    if free < count * size:
+        return (
+            f"{cfg.run_dir}: {describe_bytes(free)} free on the filesystem of {where}, the run needs room for "
+            f"{needed}: checkpoint.keep_last {cfg.checkpoint.keep_last} + 1 while saving; free space or set run_dir "
+            "elsewhere"
+        ), ""
+    return None, f"run_dir: {describe_bytes(free)} free for {needed}"

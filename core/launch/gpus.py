@@ -95,12 +95,15 @@ def cuda_unusable(device: str, env: Mapping[str, str] = os.environ) -> str | Non
     """
     if device == "cpu":
         return None
-    import torch  # imported here: `python -m core.launch.gpus` runs before every launch and needs no torch
+    physical = nvidia_smi_gpus()
+    num_gpus = _narrowed(physical, env) if physical else 0
+    if device == "auto" and num_gpus == 0:  # no GPU this node may use: the CPU is what `auto` means here
+        return None
+    # Imported only now: `python -m core.launch.gpus` and launch.sh's check on a CPU node need no torch (seconds).
+    import torch
 
     if torch.cuda.is_available():
         return None
-    physical = nvidia_smi_gpus()
-    num_gpus = _narrowed(physical, env) if physical else 0
     if num_gpus == 0:
         return "'cuda', but torch sees no CUDA device" if device == "cuda" else None
     build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"

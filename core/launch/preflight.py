@@ -5,14 +5,16 @@ Checked here for every stage: `engine.device` can run here (no silent CPU fallba
 cannot use); `run_dir` can be created and written; every data split the stage reads resolves to shards, and the
 first sample of its first local shard has an image field (and, for fine-tuning, a label `data.decode.read_label` can
 read); a schedule in epochs has a sample count; an evaluation split has a shard for every rank (each rank reads its
-own, `make_eval_loader`); the filesystem of `run_dir` has room for the checkpoints kept (core/launch/disk.py); a
-relaunch into a run_dir whose latest checkpoint another config wrote is refused, and one into a finished run is found
-(core/launch/rundir.py).
+own, `make_eval_loader`); a relaunch into a run_dir whose latest checkpoint another config wrote is refused, and one
+into a finished run is found (core/launch/rundir.py).
 Each stage adds its own checks (pretrain/preflight.py, finetune/preflight.py), handed in by
 core/entry/launch_check.py as `StageChecks`: `check(cfg, findings, world_size)`
 (`model.init`, `distill.teacher` and the labels' range for fine-tuning, the tokenizer target and the kNN sets for
-pretraining), `resolve(cfg)` (what the entry point completes before comparing configs) and `trained_module(cfg)`
-(what a checkpoint holds, built on the meta device for the space estimate).
+pretraining) and `resolve(cfg)` (what the entry point completes before comparing configs).
+
+It imports only what it checks: torch, timm or webdataset only where a stage's check needs them (a fine-tuning's
+`model.init`, a brace pattern's expansion), so that a pretraining launch's check takes well under a second. Room for
+the checkpoints is checked by rank 0 before its engine (core/launch/disk.py), where the objective is at hand.
 
 Only the first sample of one shard per split is read. Remote shards (`http(s)://`, `s3://`, `pipe:`) are not
 opened: that would mean a download or running a command at launch; they fail inside the ranks, naming the shard.
@@ -22,22 +24,19 @@ from __future__ import annotations
 
 import os
 import shlex
-import tarfile
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-import webdataset as wds
-from torch import nn
-
-from core.launch.disk import checkpoint_bytes, describe_bytes, folder_bytes, free_bytes
 from core.launch.gpus import cuda_unusable
 from core.launch.rundir import Relaunch, latest_checkpoint, relaunch
 from core.recipe.config import Config, ConfigError
 from data.decode import IMAGE_FIELDS, LabelError, image_field, read_label
+from data.index import shard_samples
 from data.specs import dataset_size, describe_shards, is_mixture, resolve_shards
+
+_LABEL_FIELDS = frozenset({"cls", "json"})
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,6 @@ class StageChecks:
 
     check: Callable[[Config, Findings, int], None]
     resolve: Callable[[Config], None]
-    trained_module: Callable[[Config], nn.Module]
 
 
 def preflight(cfg: Config, stage: StageChecks, *, world_size: int = 1, allow_change: bool = False) -> Findings:
@@ -100,8 +98,6 @@ def preflight(cfg: Config, stage: StageChecks, *, world_size: int = 1, allow_cha
     if all(ok for key, ok in resolved.items() if key.startswith("data.train")):
         check_epochs(cfg, findings)
     stage.check(cfg, findings, world_size)
-    if not findings.problems:  # the estimate builds the model, which needs a recipe whose files are right
-        check_disk(cfg, stage.trained_module, findings)
     findings.relaunch = check_relaunch(cfg, stage.resolve, findings, allow_change=allow_change)
     return findings
 
@@ -154,7 +150,7 @@ def check_split(
     for shard in local:
         try:
             sample = first_sample(shard)
-        except (tarfile.TarError, OSError, ValueError) as err:
+        except ValueError as err:  # shard_samples: 'cannot read shard ...: why'
             findings.fail(key, f"not a readable tar file ({err})", file=shard)
             return True
         if sample is not None:
@@ -167,8 +163,9 @@ def check_split(
 
 
 def first_sample(shard: str) -> dict | None:
-    """The first sample of a local tar shard (fields of bytes, `__key__`, `__url__`), or None when it is empty."""
-    samples = wds.tarfile_samples([{"url": shard}])
+    """The first sample of a local tar shard (its fields, `__key__`, `__url__`; only a label's bytes are read), or
+    None when it is empty."""
+    samples = shard_samples(shard, _LABEL_FIELDS)
     try:
         return next(samples, None)
     finally:
@@ -239,38 +236,6 @@ def describe_spec(spec: str | list[str]) -> str:
     if is_mixture(spec):
         return "; ".join(describe_spec(source.shards) for source in spec)
     return describe_shards(spec)
-
-
-def check_disk(cfg: Config, trained_module, findings: Findings) -> None:
-    """The filesystem of `run_dir` has room for `checkpoint.keep_last + 1` checkpoints (the peak while saving; see
-    core/launch/disk.py) less those already there. One checkpoint's size is the latest one's in run_dir, else the
-    estimate from `trained_module(cfg)` built on the meta device."""
-    ckpt_dir = Path(cfg.run_dir) / "checkpoints"
-    saved = [p for p in ckpt_dir.glob("step_*") if p.is_dir()] if ckpt_dir.is_dir() else []
-    latest = latest_checkpoint(cfg.run_dir)
-    if latest is not None and (ckpt_dir / latest.tag).is_dir():
-        size, how = folder_bytes(ckpt_dir / latest.tag), f"as checkpoints/{latest.tag}"
-    else:
-        try:
-            with torch.device("meta"):
-                module = trained_module(cfg)
-        except (ValueError, OSError, KeyError) as err:  # e.g. no class count: the stage's check says why
-            findings.ok(f"run_dir: free space not estimated ({err})")
-            return
-        size = checkpoint_bytes(module, cfg.optim.kind) * (2 if cfg.optim.ema_decay else 1)  # the EMA: a 2nd copy
-        how = f"estimated from {sum(p.numel() for p in module.parameters()):,} parameters"
-    count = max(1, cfg.checkpoint.keep_last + 1 - len(saved))
-    free, where = free_bytes(cfg.run_dir)
-    needed = f"{count} checkpoint{'s' if count > 1 else ''} of about {describe_bytes(size)} each ({how})"
-    if free < count * size:
-        findings.fail(
-            "run_dir",
-            f"{describe_bytes(free)} free on the filesystem of {where}, the run needs room for {needed}: "
-            f"checkpoint.keep_last {cfg.checkpoint.keep_last} + 1 while saving; free space or set run_dir elsewhere",
-            file=cfg.run_dir,
-        )
-        return
-    findings.ok(f"run_dir: {describe_bytes(free)} free for {needed}")
 
 
 def check_relaunch(cfg: Config, resolve, findings: Findings, *, allow_change: bool) -> Relaunch:

@@ -32,7 +32,7 @@ from core.recipe.sections import (
 )
 from core.recipe.tree import recipe_tree
 from data.shard_read import ShardReadPolicy
-from data.workers import LOADER_TIMEOUT_S
+from data.worker_process import LOADER_TIMEOUT_S
 
 _READS = ShardReadPolicy()  # the defaults of the data.read_* keys
 
@@ -67,7 +67,9 @@ class DataConfig(Section):
     shuffle_buffer: int | None = Field(None, ge=0)
     """Samples (still encoded) each data worker holds to shuffle; 0 turns it off. Default: what `num_open_shards`
     shards hold together (counts from index.json), so that it mixes them whole, but at most 256 MiB of encoded
-    samples (their size on disk) per worker; 1,000 when no index.json lists the shards."""
+    samples (their size on disk) per worker; 1,000 when no index.json lists the shards. A fresh buffer gives its first
+    sample at 1,000 samples and grows by one per sample given (data/order.py), so the first batch does not wait for it
+    to fill."""
     num_open_shards: int = Field(8, gt=0)
     """Shards each data worker reads at once (per mixture source), drawing each next sample from one of them at
     random, so that shards written in class order still give mixed batches. An open shard holds no samples, but

@@ -49,6 +49,20 @@ def test_bad_input_stops_launch_sh_before_any_process_starts(shards, tmp_path):
     assert "Traceback" not in proc.stdout and "[mimpipe] stage" not in proc.stdout
 
 
+def test_no_room_for_the_checkpoints_stops_every_rank_before_the_engine(shards, tmp_path):
+    """Rank 0 finds the filesystem too small for checkpoint.keep_last + 1 checkpoints (10^12 of them here) and tells
+    rank 1: both stop with exit code 2 before any engine is built (torchrun ends the second once the first has), with
+    one line naming run_dir."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "finetune.yaml", finetune_recipe(shards["train"], run_dir))
+    proc = launch(recipe, f"checkpoint.keep_last={10**12}", timeout=180)
+    assert proc.returncode == 1 and re.search(r"finetune failed: rank [01] \(exit code 2\) first", proc.stdout)
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("[mimpipe] refused: run_dir:")]
+    assert len(refused) == 1 and f"{run_dir}: " in refused[0], proc.stdout[-3000:]
+    assert "checkpoint.keep_last 1000000000000 + 1 while saving" in refused[0]
+    assert "[mimpipe] stage finetune" not in proc.stdout and not (run_dir / "checkpoints" / "latest").exists()
+
+
 def test_label_missing_mid_stream_is_one_error_line_and_a_logged_traceback(shards, tmp_path):
     train = copy_shards(shards["train"], tmp_path / "train", drop="cls", in_shards={2})  # 8 shards of 64
     run_dir = tmp_path / "run"

@@ -10,7 +10,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from data.write import read_index
+from data.specs import read_index
 from tests.launching import launch, losses, pretrain_recipe, write_recipe
 
 pytestmark = pytest.mark.dist

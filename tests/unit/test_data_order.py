@@ -93,6 +93,32 @@ def test_interleave_reads_every_sample_once_in_shard_order_with_few_open():
     assert len({i for i, _ in out[:6]}) >= 2  # samples of several shards interleaved, not shard after shard
 
 
+def test_the_buffer_gives_its_first_sample_after_first_fill_then_grows_by_one_per_sample(monkeypatch):
+    """The buffer starts giving at FIRST_FILL samples and grows one per sample given, up to shuffle_buffer; a
+    stream restarted from its cursor mid-ramp yields what the uninterrupted one does."""
+    monkeypatch.setattr("data.order.FIRST_FILL", 10)
+    shards = {f"s{j}": [(j, k) for k in range(100)] for j in range(4)}
+    drawn = 0
+
+    def read(url: str):
+        nonlocal drawn
+        for sample in shards[url]:
+            drawn += 1
+            yield sample
+
+    order = _order(list(shards), read, shuffle_buffer=30, num_open=2)
+    sizes = []
+    for _ in range(40):
+        next(order)
+        sizes.append(len(order.buffer))
+    assert sizes[:3] == [9, 10, 11] and sizes[20:] == [29] * 20  # +1 a sample, then full (30 before each pick)
+    assert drawn == 40 + 29  # nothing is read ahead of what the ramp needs
+    cursor = order.state()
+    ahead = list(itertools.islice(order, 30))
+    restarted = _order(list(shards), lambda url: iter(shards[url]), shuffle_buffer=30, num_open=2, state=cursor)
+    assert list(itertools.islice(restarted, 30)) == ahead
+
+
 def test_interleave_raises_when_an_endless_stream_of_shards_is_empty():
     with pytest.raises(ValueError, match=r"none of the 2 shards a, b holds a sample"):
         next(_order(["a", "b"], lambda url: iter(()), resampled=True, num_open=2))

@@ -1,5 +1,6 @@
-"""DataLoader workers (data/workers.py): started by the fork server with SIGTERM blocked, deaf to a SIGTERM that is
-not their rank's, gone when their rank dies (kill -9 included), and a stuck one is a one-line error naming it.
+"""DataLoader workers (data/workers.py, data/worker_process.py): started by the fork server with SIGTERM blocked,
+deaf to a SIGTERM that is not their rank's, gone when their rank dies (kill -9 included), and a stuck one is a
+one-line error naming it.
 
 Loaders are `make_eval_loader`s over small synthetic shards; the transforms below are module-level classes, so that
 they pickle to the workers."""

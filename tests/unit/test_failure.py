@@ -99,6 +99,7 @@ NCCL_REMOTE = (
         (dist.DistBackendError(NCCL_WATCHDOG), "DistBackendError: NCCL communicator was aborted"),
         (RuntimeError(NCCL_WATCHDOG), "RuntimeError: NCCL communicator was aborted"),  # older torch: a RuntimeError
         (RuntimeError(NCCL_REMOTE), "RuntimeError: ncclRemoteError"),
+        (dist.DistNetworkError("Connection timed out: 10.0.0.1:29500"), "DistNetworkError: collective failed"),
         (
             RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(...)"),
             "RuntimeError: Watchdog",

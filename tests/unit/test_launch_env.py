@@ -3,8 +3,9 @@
 and GPU nodes; one process per GPU the node may use (CUDA_VISIBLE_DEVICES, the SLURM step); and the refusal to start
 on a node whose GPUs torch cannot use.
 
-PYTHON is a stand-in that runs launch.sh's own Python steps (`-m core.launch.gpus`, `-m launch`) with this interpreter
-and, where launch.sh would start torchrun, prints the variables and torchrun's arguments instead. GPU nodes are a
+PYTHON is a stand-in that runs launch.sh's own Python steps (`-m core.launch.gpus`, `-m core.entry.launch_check`) with
+this interpreter and, where launch.sh would start torchrun (or, for one process, the stage itself), prints the
+variables and the arguments instead. GPU nodes are a
 stand-in nvidia-smi on PATH (tests/launching.py `fake_nvidia_smi`); this machine's torch sees no GPU.
 """
 
@@ -31,7 +32,7 @@ def _launch(tmp_path: Path, shards, *overrides: str, gpus: int | None = None, **
     python = tmp_path / "python"
     python.write_text(
         "#!/usr/bin/env bash\n"
-        'if [[ "$1 $2" == "-m core.launch.torchrun" ]]; then\n'
+        'if [[ "$1 $2" == "-m core.launch.torchrun" || "$1 $2" == "-m pretrain" ]]; then\n'
         '    echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-}"\n'
         '    echo "ARGS: $*"; exit 0\n'
         "fi\n"
@@ -52,12 +53,15 @@ def _launch(tmp_path: Path, shards, *overrides: str, gpus: int | None = None, **
 
 
 def _launched_env(tmp_path: Path, shards, *overrides: str, gpus: int | None = None, **env: str) -> dict[str, str]:
-    """The OpenMP variables and torchrun's `--nproc-per-node` ("NPROC") of a launch that reaches torchrun."""
+    """The OpenMP variables and the processes ("NPROC") of a launch that reaches torchrun (its `--nproc-per-node`) or,
+    for one process on one node, starts the stage without it ("1")."""
     proc = _launch(tmp_path, shards, *overrides, gpus=gpus, **env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("OMP_NUM_THREADS=")]
     (args,) = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("ARGS:")]
-    return {**dict(pair.split("=", 1) for pair in line.split()), "NPROC": args[args.index("--nproc-per-node") + 1]}
+    nproc = args[args.index("--nproc-per-node") + 1] if args[:2] == ["-m", "core.launch.torchrun"] else "1"
+    assert (nproc == "1") == (args[:2] == ["-m", "pretrain"]), args  # one process: no torchrun agent
+    return {**dict(pair.split("=", 1) for pair in line.split()), "NPROC": nproc}
 
 
 def test_cpu_runs_split_the_cores_and_let_idle_openmp_threads_sleep(tmp_path, shards):

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from core.entry.launch_check import main as launch_check
+from core.launch.disk import checkpoint_room
 from core.launch.rundir import mark_finished
 from core.recipe.config import dump_config, load_config
 from data.__main__ import main as data_main
@@ -228,19 +229,35 @@ def test_labels_beyond_num_classes_from_index_or_first_samples(capsys, tmp_path,
     assert code == 0 and lines == [], printed
 
 
-def test_disk_too_small_for_the_checkpoints_kept(capsys, monkeypatch, tmp_path, shards):
-    recipe = finetune_recipe(tmp_path, shards)
-    code, lines, printed = check(capsys, recipe, "checkpoint.keep_last=3")
+def test_disk_too_small_for_the_checkpoints_kept(monkeypatch, tmp_path, shards):
+    """Rank 0's check before its engine (core/engine/run.py check_room): the estimate from the objective, or the size
+    of the latest checkpoint once there is one."""
+    cfg = load_config(finetune_recipe(tmp_path, shards), ["checkpoint.keep_last=3"])
+    model = tiny_vit(num_classes=4)
+    problem, note = checkpoint_room(cfg, lambda: model)
     # The tiny ViT (2 blocks of 32 wide, 4 classes) has 27,748 parameters: 16 bytes each with AdamW (fp32 weights,
     # master copy and two moments), 444 kB.
-    assert code == 0 and "free for 4 checkpoints of about 444.0 kB each" in printed
-    monkeypatch.setattr("core.launch.preflight.free_bytes", lambda path: (1_000_000, tmp_path))
-    code, lines, printed = check(capsys, recipe, "checkpoint.keep_last=3")
-    assert code == 2 and lines == [
-        f"launch.sh: run_dir: {tmp_path}/run: 1.0 MB free on the filesystem of {tmp_path}, the run needs room for 4 "
-        "checkpoints of about 444.0 kB each (estimated from 27,748 parameters): checkpoint.keep_last 3 + 1 while "
-        "saving; free space or set run_dir elsewhere"
-    ], printed
+    assert problem is None and "free for 4 checkpoints of about 444.0 kB each" in note
+    monkeypatch.setattr("core.launch.disk.free_bytes", lambda path: (1_000_000, tmp_path))
+    problem, _ = checkpoint_room(cfg, lambda: model)
+    assert problem == (
+        f"{tmp_path}/run: 1.0 MB free on the filesystem of {tmp_path}, the run needs room for 4 checkpoints of about "
+        "444.0 kB each (estimated from 27,748 parameters): checkpoint.keep_last 3 + 1 while saving; free space or set "
+        "run_dir elsewhere"
+    )
+    tag = tmp_path / "run" / "checkpoints" / "step_00000002"
+    tag.mkdir(parents=True)
+    (tag / "weights").write_bytes(bytes(300_000))
+    (tag.parent / "latest").write_text("step_00000002")
+
+    def unused():
+        raise AssertionError("the latest checkpoint gives the size")
+
+    problem, note = checkpoint_room(cfg, unused)  # 3 more of 300 kB fit in 1 MB
+    assert (
+        problem is None
+        and note == "run_dir: 1.0 MB free for 3 checkpoints of about 300.0 kB each (as checkpoints/step_00000002)"
+    )
 
 
 def test_relaunch_into_a_run_of_another_config_or_a_finished_run(capsys, tmp_path, shards):

@@ -17,9 +17,8 @@ import torch
 
 from data.pipeline import make_eval_loader, make_train_loader
 from data.shard_read import ShardReadError, ShardReadPolicy
-from data.specs import resolve_shards
+from data.specs import read_index, resolve_shards
 from data.transforms import eval_transform, pretrain_transform
-from data.write import read_index
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
 RETRY = ShardReadPolicy(retries=1, backoff_s=0.0)

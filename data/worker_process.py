@@ -1,0 +1,137 @@
+"""A data worker's process, torch-free: how it starts, what stops it. Imported before a stage's heavy imports so that
+the fork server starts first (`start_fork_server`); data/workers.py builds the loaders on it.
+
+Start: by the time a loader starts its workers the rank runs threads (gloo's, OpenMP's, the pin-memory thread, the
+queue feeders of its other loaders). `fork()` copies only the calling thread, so a lock another thread held at that
+moment stays locked in the child for good: a kNN query loader's worker once deadlocked right after its fork. Workers
+are therefore started by multiprocessing's fork server: one single-threaded server per rank, a fresh interpreter
+(fork + exec, which is safe) that imports the data modules once (`PRELOAD`), forks each worker from itself and hands
+it the pickled stream (which must pickle, transform included). A worker starts in milliseconds instead of `spawn`'s
+seconds of imports (benchmarks/results/eval_workers.md), so evaluation loaders are made afresh at every evaluation.
+The server's imports take seconds too: a stage starts it before its own imports (core/entry/prestart.py), so that
+both run at once.
+
+SIGTERM: torchrun signals a rank's whole process group and SLURM every process of the step, server and workers
+included. A worker that died of it would fail its rank before the preemption checkpoint (core/engine/preempt.py), so
+workers start with SIGTERM blocked (the server is started with it blocked and its children inherit the mask), and a
+thread in each worker exits it on its own rank's SIGTERM only (DataLoader's `terminate()` of a worker that does not
+stop when told).
+
+Death: a thread in each worker waits on its rank's pidfd and exits the worker the moment the rank is gone, however
+it went (kill -9 included); the server exits once the rank and all workers have. A worker that exits this way (or on
+its rank's SIGTERM) kills the processes it started first (a `pipe:` shard's command).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import select
+import signal
+import threading
+import time
+from pathlib import Path
+
+START_METHOD = "forkserver"
+PRELOAD = ["__main__", "core.compat.timm_import", "data.pipeline", "data.transforms", "data.masking"]
+"""Imported once by the fork server, so each worker has them at its fork. `__main__` is a script's own module (a
+`python -m` entry point has none to preload); a transform from a module not listed is imported by each worker.
+`core.compat.timm_import` comes before the modules that import timm: it imports timm without timm's own wandb import."""
+
+LOADER_TIMEOUT_S = 1800.0
+"""The longest a rank waits for one batch from its workers (`data.loader_timeout_s`), the first one included: that
+fills a shuffle buffer (up to 256 MiB of encoded samples per worker) and may retry shard reads first; at 1800 s a
+first batch still arrives from storage that gives each worker ~150 KB/s."""
+
+
+def start_fork_server() -> None:
+    """Start this process's fork server now rather than at the first loader's first iter(), so that its imports
+    (seconds) run beside the rank's own instead of delaying the first batch."""
+    context()
+    if START_METHOD == "forkserver":
+        with sigterm_blocked():  # see data/workers.py _WorkerLoader.__iter__
+            multiprocessing.forkserver.ensure_running()
+
+
+def context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context workers start from (`START_METHOD`), the fork server's preload set."""
+    ctx = multiprocessing.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts
+    return ctx
+
+
+@contextlib.contextmanager
+def sigterm_blocked():
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def init_worker(rank_pid: int, worker_id: int) -> None:
+    """DataLoader's `worker_init_fn`: in each worker, before its first sample."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # already blocked from the start (see __iter__)
+    threading.Thread(target=_exit_on_sigterm_from, args=(rank_pid,), name="mimpipe-sigterm", daemon=True).start()
+    threading.Thread(target=_exit_with, args=(rank_pid,), name="mimpipe-rank-watch", daemon=True).start()
+
+
+def _exit_on_sigterm_from(rank_pid: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid in (rank_pid, os.getppid()):
+            _exit_worker()
+
+
+def _exit_with(pid: int) -> None:
+    """Exits this worker as soon as process `pid` has ended."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _exit_worker()
+    except OSError:  # no pidfd (Linux < 5.3): poll
+        while _alive(pid):
+            time.sleep(1.0)
+        _exit_worker()
+    select.select([pidfd], [], [])  # readable once the process has ended
+    _exit_worker()
+
+
+def _exit_worker() -> None:
+    """Ends this worker at once, and every process it started: a `pipe:` shard's command (a shell, the curl or
+    reader under it) would otherwise outlive it, holding the run's output open."""
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(0)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid`: its children, theirs, and so on (one scan of /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit():
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

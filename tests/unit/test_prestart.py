@@ -1,0 +1,102 @@
+"""What a launch does before its imports (core/engine/prestart.py): launch.sh's check of a pretraining recipe, loading
+a recipe and the entry points import no torch; the data workers' fork server starts only for a recipe with workers;
+timm comes without wandb.
+
+Each case runs in a fresh interpreter: what a process has imported, and its fork server, are its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.launching import REPO, write_synthetic
+
+PROBE = """
+import json, multiprocessing.forkserver, sys
+from core.engine.prestart import prestart
+before = sorted(m for m in ("torch", "timm", "wandb") if m in sys.modules)
+prestart(sys.argv[1:])
+print(json.dumps({
+    "before": before,
+    "fork_server": multiprocessing.forkserver._forkserver._forkserver_pid is not None,
+    "timm": "timm" in sys.modules,
+    "wandb": "wandb" in sys.modules,
+}))
+"""
+
+
+def _prestart(*argv: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _recipe(tmp_path: Path, name: str, data: dict) -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump({"stage": "pretrain", "data": {"train": "shards/none", **data}}))
+    return str(path)
+
+
+def test_the_recipe_and_the_entry_points_import_no_torch_before_prestart(tmp_path):
+    """Loading a recipe (launch.sh's check does, and every stage first) and importing the entry points' prelude cost
+    no torch import (seconds); prestart then starts the fork server and imports timm, without wandb."""
+    out = _prestart(_recipe(tmp_path, "workers.yaml", {"num_workers": 1}), "optim.base_lr=1e-3")
+    assert out == {"before": [], "fork_server": True, "timm": True, "wandb": False}
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["{no_workers}"], "num_workers 0: no worker to start"),
+        (["{workers}", "data.num_wokers=2"], "a misspelt override: the stage reports it"),
+        (["export", "runs/x"], "a subcommand"),
+    ],
+)
+def test_no_fork_server_without_workers_or_a_recipe(tmp_path, argv, why):
+    paths = {
+        "no_workers": _recipe(tmp_path, "none.yaml", {"num_workers": 0}),
+        "workers": _recipe(tmp_path, "workers.yaml", {"num_workers": 2}),
+    }
+    out = _prestart(*(arg.format(**paths) for arg in argv))
+    assert not out["fork_server"], why
+    assert out["timm"] and not out["wandb"]
+
+
+def test_wandb_imports_after_timm_came_without_it():
+    """The run's own wandb logger still imports wandb (logging.wandb)."""
+    pytest.importorskip("wandb")
+    code = textwrap.dedent("""
+        import sys
+        import core.compat.timm_import
+        assert "timm" in sys.modules and "wandb" not in sys.modules
+        import wandb, timm.utils.summary
+        print(wandb.__name__, hasattr(timm.utils.summary, "wandb"))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["wandb", "False"], proc.stderr[-2000:]
+
+
+def test_launch_sh_check_of_a_pretraining_recipe_imports_no_torch(tmp_path):
+    """The check reads the recipe, the topology and the shards' first samples (launch.sh's seconds before the
+    ranks start); torch, timm and webdataset are left to the ranks."""
+    shards = write_synthetic(tmp_path / "train", "train", 8, 4, seed=0)
+    recipe = _recipe(tmp_path, "check.yaml", {"train": str(shards), "num_workers": 1})
+    code = textwrap.dedent("""
+        import sys
+        from core.entry.launch_check import main
+        code = main(sys.argv[1:])
+        print(code, sorted(m for m in ("torch", "timm", "webdataset") if m in sys.modules))
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, recipe, f"run_dir={tmp_path / 'run'}", "--nproc-per-node", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.stdout.splitlines()[-1] == "0 []", proc.stdout + proc.stderr
+    assert "[mimpipe] pre-flight: run_dir writable; data.train: first sample of train-000000.tar" in proc.stderr
