@@ -1,6 +1,6 @@
 """Patch-mask generators for masked-patch prediction, run per sample inside the DataLoader workers.
 
-Three generators, each returning an (h, w) bool tensor over the patch grid, True = masked:
+Three generators (`MaskGenerator`s), each returning an (h, w) bool tensor over the patch grid, True = masked:
 
 - `BlockwiseMaskGenerator`: BEiT's blockwise masking. Rectangular blocks (at least `min_patches`
   patches each, area drawn uniformly, aspect ratio log-uniform) are added until the budget is met
@@ -22,6 +22,7 @@ data pipeline seeds `random` (and numpy, torch) per sample, so masks are reprodu
 Shape legend: h, w = patch-grid height and width.
 """
 
+import abc
 import math
 import random
 
@@ -29,6 +30,25 @@ import numpy as np
 import torch
 
 Block = tuple[int, int, int, int]  # (top, left, height, width) in patches
+
+
+class MaskGenerator(abc.ABC):
+    """What the generators share: called, one draws one mask over its `height` x `width` patch grid."""
+
+    height: int
+    width: int
+
+    def __call__(self, rng: random.Random | None = None) -> torch.Tensor:
+        """Draws one mask: (h, w) bool, True = masked (how many: the generator's `draw`).
+
+        Args:
+            rng: Source of randomness; None means the global `random` RNG.
+        """
+        return self.draw(random if rng is None else rng)
+
+    @abc.abstractmethod
+    def draw(self, rng: random.Random) -> torch.Tensor:
+        """One (h, w) bool mask drawn from `rng`."""
 
 
 def _check_grid(grid: tuple[int, int]) -> tuple[int, int]:
@@ -48,7 +68,7 @@ def _frontier(mask: np.ndarray) -> np.ndarray:
     return near & ~mask
 
 
-class BlockwiseMaskGenerator:
+class BlockwiseMaskGenerator(MaskGenerator):
     """BEiT blockwise masking with an exact masked count.
 
     Each block takes up to `tries` attempts. An attempt draws a target area uniformly in
@@ -105,8 +125,8 @@ class BlockwiseMaskGenerator:
             f"min_patches={self.min_patches}, max_patches={self.max_patches}, tries={self.tries})"
         )
 
-    def __call__(self, rng: random.Random | None = None) -> torch.Tensor:
-        """Draws one mask. (h, w) bool, True = masked, exactly `num_masked` True."""
+    def draw(self, rng: random.Random) -> torch.Tensor:
+        """(h, w) bool, exactly `num_masked` True."""
         return self.sample_blocks(rng)[0]
 
     def sample_blocks(self, rng: random.Random | None = None) -> tuple[torch.Tensor, list[Block]]:
@@ -174,7 +194,7 @@ class BlockwiseMaskGenerator:
         return added
 
 
-class RandomMaskGenerator:
+class RandomMaskGenerator(MaskGenerator):
     """Uniform random masking of exactly `round(ratio * h * w)` patches.
 
     Args:
@@ -192,13 +212,8 @@ class RandomMaskGenerator:
     def __repr__(self) -> str:
         return f"RandomMaskGenerator(grid=({self.height}, {self.width}), ratio={self.ratio})"
 
-    def __call__(self, rng: random.Random | None = None) -> torch.Tensor:
-        """Draws one mask. (h, w) bool, True = masked, exactly `num_masked` True.
-
-        Args:
-            rng: Source of randomness; None means the global `random` RNG.
-        """
-        rng = random if rng is None else rng
+    def draw(self, rng: random.Random) -> torch.Tensor:
+        """(h, w) bool, exactly `num_masked` True."""
         num_patches = self.height * self.width
         chosen = torch.tensor(rng.sample(range(num_patches), self.num_masked), dtype=torch.long)
         mask = torch.zeros(num_patches, dtype=torch.bool)  # (h * w,)
@@ -206,7 +221,7 @@ class RandomMaskGenerator:
         return mask.view(self.height, self.width)
 
 
-class UnitMaskGenerator:
+class UnitMaskGenerator(MaskGenerator):
     """SimMIM's masking: the patch grid is cut into `unit` x `unit` squares of patches, and `ceil(ratio * units)` of
     them, drawn uniformly, are masked (SimMIM: 32 px units over 16 px patches, 60% of them).
 
@@ -229,13 +244,8 @@ class UnitMaskGenerator:
     def __repr__(self) -> str:
         return f"UnitMaskGenerator(grid=({self.height}, {self.width}), unit={self.unit}, ratio={self.ratio})"
 
-    def __call__(self, rng: random.Random | None = None) -> torch.Tensor:
-        """Draws one mask. (h, w) bool, True = masked, exactly `num_masked * unit**2` True.
-
-        Args:
-            rng: Source of randomness; None means the global `random` RNG.
-        """
-        rng = random if rng is None else rng
+    def draw(self, rng: random.Random) -> torch.Tensor:
+        """(h, w) bool, exactly `num_masked * unit**2` True."""
         units = torch.zeros(self.num_units, dtype=torch.bool)  # (h / unit * w / unit,)
         units[torch.tensor(rng.sample(range(self.num_units), self.num_masked), dtype=torch.long)] = True
         units = units.view(self.height // self.unit, self.width // self.unit)

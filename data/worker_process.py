@@ -8,7 +8,7 @@ are therefore started by multiprocessing's fork server: one single-threaded serv
 (fork + exec, which is safe) that imports the data modules once (`PRELOAD`), forks each worker from itself and hands
 it the pickled stream (which must pickle, transform included). A worker starts in milliseconds instead of `spawn`'s
 seconds of imports (benchmarks/results/eval_workers.md), so evaluation loaders are made afresh at every evaluation.
-The server's imports take seconds too: a stage starts it before its own imports (core/entry/prestart.py), so that
+The server's imports take seconds too: a stage starts it before its own imports (core/entry/stage.py), so that
 both run at once.
 
 SIGTERM: torchrun signals a rank's whole process group and SLURM every process of the step, server and workers

@@ -24,6 +24,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,54 +43,41 @@ from data.transforms import eval_transform
 _QUERY_CHUNK = 1024  # queries scored at once: the (chunk, N) similarity matrix bounds the memory
 
 
-def weighted_knn_votes(
-    queries: torch.Tensor,
-    bank: torch.Tensor,
-    bank_labels: torch.Tensor,
-    *,
-    k: int,
-    temperature: float,
-    num_classes: int,
-) -> torch.Tensor:
-    """DINO's weighted k-NN class votes.
+@dataclass(frozen=True)
+class KNNBank:
+    """The labelled bank that classifies queries by DINO's weighted k-NN vote.
 
     Args:
-        queries: (Q, D) L2-normalised query features.
-        bank: (N, D) L2-normalised bank features.
-        bank_labels: (N,) class indices of the bank.
+        features: (N, D) L2-normalised bank features.
+        labels: (N,) class indices of the bank.
         k: Neighbours that vote (all N when N < k).
         temperature: A neighbour with cosine similarity s votes exp(s / temperature) for its class.
         num_classes: C.
-
-    Returns:
-        (Q, C) float32 votes: for each query, the summed weights of its k nearest bank samples per class.
     """
-    similarity = queries.float() @ bank.float().T  # (Q, N)
-    top_similarity, top_index = similarity.topk(min(k, len(bank)), dim=1)  # (Q, k) each, most similar first
-    weights = (top_similarity / temperature).exp()  # (Q, k)
-    votes = torch.zeros(len(queries), num_classes, device=queries.device)  # (Q, C)
-    return votes.scatter_add_(1, bank_labels[top_index], weights)
 
+    features: torch.Tensor
+    labels: torch.Tensor
+    k: int
+    temperature: float
+    num_classes: int
 
-def knn_correct(
-    queries: torch.Tensor,
-    query_labels: torch.Tensor,
-    bank: torch.Tensor,
-    bank_labels: torch.Tensor,
-    *,
-    k: int,
-    temperature: float,
-    num_classes: int,
-) -> torch.Tensor:
-    """(2,) int64: how many queries have their label as the top-1 and among the top-5 vote winners (chunked)."""
-    correct = torch.zeros(2, dtype=torch.int64, device=queries.device)
-    for start in range(0, len(queries), _QUERY_CHUNK):
-        chunk = slice(start, start + _QUERY_CHUNK)
-        votes = weighted_knn_votes(
-            queries[chunk], bank, bank_labels, k=k, temperature=temperature, num_classes=num_classes
-        )
-        correct += topk_correct(votes, query_labels[chunk], ks=(1, 5))
-    return correct
+    def votes(self, queries: torch.Tensor) -> torch.Tensor:
+        """(Q, D) L2-normalised query features -> (Q, C) float32 votes: for each query, the summed weights of its k
+        nearest bank samples per class."""
+        similarity = queries.float() @ self.features.float().T  # (Q, N)
+        top_similarity, top_index = similarity.topk(min(self.k, len(self.features)), dim=1)  # (Q, k), nearest first
+        weights = (top_similarity / self.temperature).exp()  # (Q, k)
+        votes = torch.zeros(len(queries), self.num_classes, device=queries.device)  # (Q, C)
+        return votes.scatter_add_(1, self.labels[top_index], weights)
+
+    def correct(self, queries: torch.Tensor, query_labels: torch.Tensor) -> torch.Tensor:
+        """(2,) int64: how many of the (Q, D) queries have their label (Q,) as the top-1 and among the top-5 vote
+        winners (scored `_QUERY_CHUNK` queries at a time)."""
+        correct = torch.zeros(2, dtype=torch.int64, device=queries.device)
+        for start in range(0, len(queries), _QUERY_CHUNK):
+            chunk = slice(start, start + _QUERY_CHUNK)
+            correct += topk_correct(self.votes(queries[chunk]), query_labels[chunk], ks=(1, 5))
+        return correct
 
 
 def pooled_features(encoder: nn.Module, images: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -214,9 +202,7 @@ def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
         bank, bank_labels = all_gather_rows(bank), all_gather_rows(bank_labels)  # (N, D), (N,) on every rank
         top_label = torch.cat([bank_labels, query_labels, bank_labels.new_zeros(1)]).max().reshape(1)
         num_classes = int(all_reduce(top_label, op="max").item()) + 1
-        correct = knn_correct(
-            queries, query_labels, bank, bank_labels, k=knn.k, temperature=knn.temperature, num_classes=num_classes
-        )
+        correct = KNNBank(bank, bank_labels, knn.k, knn.temperature, num_classes).correct(queries, query_labels)
         sums = all_reduce(torch.cat([correct, correct.new_tensor([len(queries)])]))  # top1, top5, queries
         top1, top5, num_queries = sums.tolist()
         metrics = {

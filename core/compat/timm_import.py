@@ -3,7 +3,7 @@ process, for a function mimpipe never calls): importing this module imports timm
 wandb were not installed, then lets wandb be imported again (`logging.wandb` imports it when a run asks for it).
 
 It must come before anything else imports timm, so it is imported first where that is known: by a stage's entry
-point before its other imports (core/engine/prestart.py) and by the data workers' fork server (data/worker_process.py
+point before its other imports (core/entry/stage.py) and by the data workers' fork server (data/worker_process.py
 `PRELOAD`). Anywhere else timm is imported as usual. Torch is imported with timm.
 """
 

@@ -101,7 +101,7 @@ def report(err: BaseException) -> int:
 
 def peer_lost(err: BaseException) -> bool:
     """Whether `err` is a collective failing because another rank went away (its own error is the cause)."""
-    # By name: this module is imported before torch (core/engine/prestart.py); `torch.distributed`'s error classes.
+    # By name: this module is imported before torch (core/entry/stage.py); `torch.distributed`'s error classes.
     broken = any(cls.__name__ in _DIST_ERRORS for cls in type(err).__mro__)
     return broken or (isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_LOST))
 

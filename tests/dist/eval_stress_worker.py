@@ -22,7 +22,7 @@ from data.specs import resolve_shards
 from data.transforms import eval_transform
 from finetune.classification import Classification
 from finetune.evaluate import evaluate
-from pretrain.knn import embed, knn_correct
+from pretrain.knn import KNNBank, embed
 
 TIMEOUT_S = 60  # a round that hangs fails with the workers' one-line error instead of the test's timeout
 
@@ -62,7 +62,7 @@ def _knn(vit, bank_batches, query_batches, info: DistInfo) -> tuple[float, ...]:
     queries, query_labels = embed(vit, query_batches, **kwargs)
     bank, bank_labels = embed(vit, bank_batches, **kwargs)
     bank, bank_labels = all_gather_rows(bank), all_gather_rows(bank_labels)
-    correct = knn_correct(queries, query_labels, bank, bank_labels, k=20, temperature=0.07, num_classes=4)
+    correct = KNNBank(bank, bank_labels, k=20, temperature=0.07, num_classes=4).correct(queries, query_labels)
     return tuple(all_reduce(torch.cat([correct, correct.new_tensor([len(queries)])])).tolist())
 
 

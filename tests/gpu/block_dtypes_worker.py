@@ -43,7 +43,7 @@ if __name__ == "__main__":
     out, *argv = sys.argv[1:]
     torch.nn.modules.module.register_module_forward_pre_hook(enter)
     torch.nn.modules.module.register_module_forward_hook(leave)
-    from pretrain.__main__ import main
+    from pretrain.stage import main
 
     code = main(argv)
     if os.environ.get("RANK", "0") == "0":

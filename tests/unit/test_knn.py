@@ -16,7 +16,7 @@ from core.recipe.config import ConfigError, load_config
 from data.pipeline import make_eval_loader
 from data.specs import sample_quotas
 from data.write import write_shards
-from pretrain.knn import embed, knn_correct, pooled_features, training_untouched, weighted_knn_votes
+from pretrain.knn import KNNBank, embed, pooled_features, training_untouched
 
 DIST = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -27,7 +27,7 @@ BANK_LABELS = torch.tensor([0, 1, 1, 2])
 
 def test_weighted_votes_match_hand_computed_values():
     queries = torch.tensor([[1.0, 0.0], [-0.6, 0.8]])
-    votes = weighted_knn_votes(queries, BANK, BANK_LABELS, k=3, temperature=0.5, num_classes=3)
+    votes = KNNBank(BANK, BANK_LABELS, k=3, temperature=0.5, num_classes=3).votes(queries)
     # Query 0: similarities 1, 0, -1, 0.6 -> neighbours 0 (class 0), 3 (class 2), 1 (class 1).
     # Query 1: similarities -0.6, 0.8, 0.6, 0.28 -> neighbours 1 and 2 (class 1, their votes add up), 3 (class 2).
     expected = torch.tensor(
@@ -40,7 +40,7 @@ def test_weighted_votes_match_hand_computed_values():
 
 
 def test_k_larger_than_the_bank_uses_every_sample():
-    votes = weighted_knn_votes(BANK[:1], BANK, BANK_LABELS, k=20, temperature=1.0, num_classes=3)
+    votes = KNNBank(BANK, BANK_LABELS, k=20, temperature=1.0, num_classes=3).votes(BANK[:1])
     expected = torch.tensor([[math.e, math.exp(0) + math.exp(-1), math.exp(0.6)]])
     assert torch.allclose(votes, expected, rtol=1e-5)
 
@@ -48,7 +48,7 @@ def test_k_larger_than_the_bank_uses_every_sample():
 def test_correct_counts_top1_and_top5():
     queries = torch.tensor([[1.0, 0.0], [-0.6, 0.8], [0.6, 0.8]])
     # With k=1 each query takes its nearest neighbour's class: 0, 1, 2.
-    correct = knn_correct(queries, torch.tensor([0, 2, 2]), BANK, BANK_LABELS, k=1, temperature=0.07, num_classes=3)
+    correct = KNNBank(BANK, BANK_LABELS, k=1, temperature=0.07, num_classes=3).correct(queries, torch.tensor([0, 2, 2]))
     assert correct.tolist() == [2, 3]  # top-5 of 3 classes holds every class
 
 

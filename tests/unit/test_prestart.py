@@ -1,6 +1,6 @@
-"""What a launch does before its imports (core/engine/prestart.py): launch.sh's check of a pretraining recipe, loading
-a recipe and the entry points import no torch; the data workers' fork server starts only for a recipe with workers;
-timm comes without wandb.
+"""What a launch does before its imports (core/entry/stage.py): launch.sh's check of a pretraining recipe, loading
+a recipe and the entry points import no torch; the data workers' fork server starts only for a recipe with workers,
+and it, like the rank, has timm without wandb.
 
 Each case runs in a fresh interpreter: what a process has imported, and its fork server, are its own."""
 
@@ -19,14 +19,24 @@ from tests.launching import REPO, write_synthetic
 
 PROBE = """
 import json, multiprocessing.forkserver, sys
-from core.engine.prestart import prestart
+from core.entry.stage import prestart
+from data.worker_process import context
 before = sorted(m for m in ("torch", "timm", "wandb") if m in sys.modules)
 prestart(sys.argv[1:])
+worker = None
+if multiprocessing.forkserver._forkserver._forkserver_pid is not None:  # what a worker forked from it holds
+    queue = context().SimpleQueue()
+    process = context().Process(target=exec, args=("import sys; q.put(sorted(m for m in ('timm', 'wandb') "
+                                                   "if m in sys.modules))", {"q": queue}))
+    process.start()
+    worker = queue.get()
+    process.join()
 print(json.dumps({
     "before": before,
     "fork_server": multiprocessing.forkserver._forkserver._forkserver_pid is not None,
     "timm": "timm" in sys.modules,
     "wandb": "wandb" in sys.modules,
+    "worker": worker,
 }))
 """
 
@@ -48,7 +58,7 @@ def test_the_recipe_and_the_entry_points_import_no_torch_before_prestart(tmp_pat
     """Loading a recipe (launch.sh's check does, and every stage first) and importing the entry points' prelude cost
     no torch import (seconds); prestart then starts the fork server and imports timm, without wandb."""
     out = _prestart(_recipe(tmp_path, "workers.yaml", {"num_workers": 1}), "optim.base_lr=1e-3")
-    assert out == {"before": [], "fork_server": True, "timm": True, "wandb": False}
+    assert out == {"before": [], "fork_server": True, "timm": True, "wandb": False, "worker": ["timm"]}
 
 
 @pytest.mark.parametrize(

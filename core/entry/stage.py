@@ -1,0 +1,61 @@
+"""How `python -m pretrain` and `python -m finetune` run their stage (each `__main__` calls `run`).
+
+Before the stage's imports, which take seconds (torch, torchvision, timm, DeepSpeed), `prestart` starts the data
+workers' fork server when the recipe has workers, so that the server's imports of the same modules run on another
+core beside the rank's instead of after them, when the first loader starts (data/worker_process.py); then it imports
+timm without timm's wandb import (core/compat/timm_import.py). The stage then runs guarded: an error is one console
+line and a logged traceback (core/engine/failure.py).
+
+Torch-free until that timm import. A recipe that does not load is left alone by `prestart`: the stage loads it again
+and reports the error as it reports every other.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from core.engine.failure import run_guarded
+from core.recipe.config import ConfigError, load_config
+from data.worker_process import start_fork_server
+
+StageMain = Callable[[list[str]], int]
+
+
+def run(stage: str, argv: list[str] | None = None) -> int:
+    """`python -m STAGE ARGS`: `prestart`, then the stage's `main(argv)` (default: sys.argv[1:]), guarded; returns
+    the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    prestart(argv)
+    main = STAGES[stage]()
+    return run_guarded(lambda: main(argv))
+
+
+def prestart(argv: list[str]) -> None:
+    """Start the fork server if the recipe in `argv` (`RECIPE [section.key=value ...] [--flags]`) has data workers,
+    then import timm. A subcommand's arguments (`export RUN_DIR`, `convert SRC DST`) are no recipe: nothing starts."""
+    words = [arg for arg in argv if not arg.startswith("-")]
+    if words and words[0].endswith((".yaml", ".yml")):
+        try:
+            cfg = load_config(words[0], words[1:])
+        except (ConfigError, OSError, ValueError):
+            cfg = None
+        if cfg is not None and cfg.data.num_workers:
+            start_fork_server()
+    import core.compat.timm_import  # noqa: F401  (timm without wandb, before anything else imports timm)
+
+
+def _pretrain() -> StageMain:
+    from pretrain.stage import main
+
+    return main
+
+
+def _finetune() -> StageMain:
+    from finetune.stage import main
+
+    return main
+
+
+STAGES: dict[str, Callable[[], StageMain]] = {"pretrain": _pretrain, "finetune": _finetune}
+"""Each stage's `main`, imported when called (after `prestart`)."""
