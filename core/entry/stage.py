@@ -32,17 +32,22 @@ def run(stage: str, argv: list[str] | None = None) -> int:
 
 
 def prestart(argv: list[str]) -> None:
-    """Start the fork server if the recipe in `argv` (`RECIPE [section.key=value ...] [--flags]`) has data workers,
-    then import timm. A subcommand's arguments (`export RUN_DIR`, `convert SRC DST`) are no recipe: nothing starts."""
-    words = [arg for arg in argv if not arg.startswith("-")]
-    if words and words[0].endswith((".yaml", ".yml")):
-        try:
-            cfg = load_config(words[0], words[1:])
-        except (ConfigError, OSError, ValueError):
-            cfg = None
-        if cfg is not None and cfg.data.num_workers:
-            start_fork_server()
+    """Start the fork server if `has_workers(argv)`, then import timm."""
+    if has_workers(argv):
+        start_fork_server()
     import core.compat.timm_import  # noqa: F401  (timm without wandb, before anything else imports timm)
+
+
+def has_workers(argv: list[str]) -> bool:
+    """Whether `argv` (`RECIPE [section.key=value ...] [--flags]`) names a recipe that loads and has data workers. A
+    subcommand's arguments (`export RUN_DIR`, `convert SRC DST`) name no recipe."""
+    words = [arg for arg in argv if not arg.startswith("-")]
+    if not (words and words[0].endswith((".yaml", ".yml"))):
+        return False
+    try:
+        return load_config(words[0], words[1:]).data.num_workers > 0
+    except (ConfigError, OSError, ValueError):
+        return False
 
 
 def _pretrain() -> StageMain:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.entry.stage import has_workers
 from tests.launching import REPO, write_synthetic
 
 PROBE = """
@@ -23,29 +24,17 @@ from core.entry.stage import prestart
 from data.worker_process import context
 before = sorted(m for m in ("torch", "timm", "wandb") if m in sys.modules)
 prestart(sys.argv[1:])
-worker = None
-if multiprocessing.forkserver._forkserver._forkserver_pid is not None:  # what a worker forked from it holds
-    queue = context().SimpleQueue()
-    process = context().Process(target=exec, args=("import sys; q.put(sorted(m for m in ('timm', 'wandb') "
-                                                   "if m in sys.modules))", {"q": queue}))
-    process.start()
-    worker = queue.get()
-    process.join()
-print(json.dumps({
-    "before": before,
-    "fork_server": multiprocessing.forkserver._forkserver._forkserver_pid is not None,
-    "timm": "timm" in sys.modules,
-    "wandb": "wandb" in sys.modules,
-    "worker": worker,
-}))
+after = sorted(m for m in ("timm", "wandb") if m in sys.modules)
+queue = context().SimpleQueue()  # what a worker forked from the server holds
+code = "import sys; q.put(sorted(m for m in ('timm', 'wandb') if m in sys.modules))"
+process = context().Process(target=exec, args=(code, {"q": queue}))
+process.start()
+worker = queue.get()
+process.join()
+import timm.utils.summary, wandb  # the run's own wandb logger imports it (logging.wandb)
+print(json.dumps({"before": before, "after": after, "worker": worker, "timm_has_wandb": hasattr(timm.utils.summary,
+                  "wandb"), "wandb": wandb.__name__}))
 """
-
-
-def _prestart(*argv: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _recipe(tmp_path: Path, name: str, data: dict) -> str:
@@ -55,10 +44,18 @@ def _recipe(tmp_path: Path, name: str, data: dict) -> str:
 
 
 def test_the_recipe_and_the_entry_points_import_no_torch_before_prestart(tmp_path):
-    """Loading a recipe (launch.sh's check does, and every stage first) and importing the entry points' prelude cost
-    no torch import (seconds); prestart then starts the fork server and imports timm, without wandb."""
-    out = _prestart(_recipe(tmp_path, "workers.yaml", {"num_workers": 1}), "optim.base_lr=1e-3")
-    assert out == {"before": [], "fork_server": True, "timm": True, "wandb": False, "worker": ["timm"]}
+    """Loading a recipe (launch.sh's check does, and every stage first) and importing the stage's start cost no
+    torch import (seconds); prestart then starts the fork server and imports timm, without wandb, in the rank and
+    in the server's workers; wandb still imports afterwards."""
+    pytest.importorskip("wandb")
+    recipe = _recipe(tmp_path, "workers.yaml", {"num_workers": 1})
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, recipe, "optim.base_lr=1e-3"], cwd=REPO, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "before": [], "after": ["timm"], "worker": ["timm"], "timm_has_wandb": False, "wandb": "wandb",
+    }, proc.stderr[-2000:]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -66,6 +63,7 @@ def test_the_recipe_and_the_entry_points_import_no_torch_before_prestart(tmp_pat
     [
         (["{no_workers}"], "num_workers 0: no worker to start"),
         (["{workers}", "data.num_wokers=2"], "a misspelt override: the stage reports it"),
+        (["{workers}.missing"], "no such recipe: the stage reports it"),
         (["export", "runs/x"], "a subcommand"),
     ],
 )
@@ -74,23 +72,8 @@ def test_no_fork_server_without_workers_or_a_recipe(tmp_path, argv, why):
         "no_workers": _recipe(tmp_path, "none.yaml", {"num_workers": 0}),
         "workers": _recipe(tmp_path, "workers.yaml", {"num_workers": 2}),
     }
-    out = _prestart(*(arg.format(**paths) for arg in argv))
-    assert not out["fork_server"], why
-    assert out["timm"] and not out["wandb"]
-
-
-def test_wandb_imports_after_timm_came_without_it():
-    """The run's own wandb logger still imports wandb (logging.wandb)."""
-    pytest.importorskip("wandb")
-    code = textwrap.dedent("""
-        import sys
-        import core.compat.timm_import
-        assert "timm" in sys.modules and "wandb" not in sys.modules
-        import wandb, timm.utils.summary
-        print(wandb.__name__, hasattr(timm.utils.summary, "wandb"))
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.split() == ["wandb", "False"], proc.stderr[-2000:]
+    assert has_workers([paths["workers"], "optim.base_lr=1e-3", "--allow-config-change"])
+    assert not has_workers([arg.format(**paths) for arg in argv]), why
 
 
 def test_launch_sh_check_of_a_pretraining_recipe_imports_no_torch(tmp_path):
