@@ -1,15 +1,17 @@
-"""A data worker's process, torch-free: how it starts, what stops it. Imported before a stage's heavy imports so that
-the fork server starts first (`start_fork_server`); data/workers.py builds the loaders on it.
+"""A data worker's process, torch-free: how it starts, what stops it. data/workers.py builds the loaders on it.
 
 Start: by the time a loader starts its workers the rank runs threads (gloo's, OpenMP's, the pin-memory thread, the
 queue feeders of its other loaders). `fork()` copies only the calling thread, so a lock another thread held at that
 moment stays locked in the child for good: a kNN query loader's worker once deadlocked right after its fork. Workers
-are therefore started by multiprocessing's fork server: one single-threaded server per rank, a fresh interpreter
-(fork + exec, which is safe) that imports the data modules once (`PRELOAD`), forks each worker from itself and hands
-it the pickled stream (which must pickle, transform included). A worker starts in milliseconds instead of `spawn`'s
-seconds of imports (benchmarks/results/eval_workers.md), so evaluation loaders are made afresh at every evaluation.
-The server's imports take seconds too: a stage starts it before its own imports (core/entry/stage.py), so that
-both run at once.
+are therefore started by multiprocessing's fork server: one single-threaded server per rank that forks each worker
+from itself and hands it the pickled stream (which must pickle, transform included). A worker starts in
+milliseconds instead of `spawn`'s seconds of imports (benchmarks/results/eval_workers.md), so evaluation loaders are
+made afresh at every evaluation.
+
+The server is the rank itself, forked while it still runs one thread (`start_fork_server(forked=True)`, which a stage
+calls right after importing torch, timm and the data modules: core/entry/stage.py): it holds those modules without
+importing them again (~3 s of CPU per rank, and their memory shared with the rank). Started later, or from a process
+that already runs threads, it is multiprocessing's own: a fresh interpreter (fork + exec) that imports `PRELOAD`.
 
 SIGTERM: torchrun signals a rank's whole process group and SLURM every process of the step, server and workers
 included. A worker that died of it would fail its rank before the preemption checkpoint (core/engine/preempt.py), so
@@ -27,11 +29,14 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import select
 import signal
+import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 START_METHOD = "forkserver"
@@ -46,13 +51,75 @@ fills a shuffle buffer (up to 256 MiB of encoded samples per worker) and may ret
 first batch still arrives from storage that gives each worker ~150 KB/s."""
 
 
-def start_fork_server() -> None:
-    """Start this process's fork server now rather than at the first loader's first iter(), so that its imports
-    (seconds) run beside the rank's own instead of delaying the first batch."""
+def start_fork_server(*, forked: bool = False) -> None:
+    """Start this process's fork server now rather than at the first loader's first iter().
+
+    Args:
+        forked: Make the server a fork of this process, which holds what this process imported. For a process
+            that has only imported modules so far: its one Python thread is checked (a thread another one started
+            would be missing in the fork, see the module docstring), while the native threads an import starts are
+            taken to survive a fork (numpy's OpenBLAS pool stops itself around one; OpenMP starts none before its
+            first parallel region). Otherwise, and with False, the server is a fresh interpreter importing `PRELOAD`.
+    """
     context()
-    if START_METHOD == "forkserver":
-        with sigterm_blocked():  # see data/workers.py _WorkerLoader.__iter__
+    if START_METHOD != "forkserver":
+        return
+    with sigterm_blocked():  # see data/workers.py _WorkerLoader.__iter__
+        if forked and threading.active_count() == 1:
+            with _server_forked():
+                multiprocessing.forkserver.ensure_running()
+        else:
             multiprocessing.forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _server_forked():
+    """While multiprocessing starts its fork server, the interpreter it would exec runs in a fork of this process.
+
+    multiprocessing starts the server by running `python -c "from multiprocessing.forkserver import main; main(...)"`
+    through `util.spawnv_passfds` (fork, close every descriptor but those passed, exec). Here the child skips the exec
+    and runs that same code itself, after closing what the exec would have closed (among them the write end of the
+    pipe whose closing tells the server its rank is gone) and releasing the lock the forking thread held. Any other
+    process multiprocessing spawns meanwhile (its resource tracker) is spawned as before.
+    """
+    spawn = multiprocessing.util.spawnv_passfds
+
+    def fork_instead(path: str, args: list[str], passfds: list[int]) -> int:
+        code = args[-1]
+        if not code.startswith("from multiprocessing.forkserver import main"):
+            return spawn(path, args, passfds)
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice, by a worker
+            stream.flush()
+        pid = os.fork()
+        if pid:
+            return pid
+        status = 0
+        try:
+            _close_fds_except({0, 1, 2, *passfds})
+            multiprocessing.forkserver._forkserver._lock = threading.Lock()  # held by the parent's ensure_running
+            exec(code, {"__name__": "__mp_forkserver__"})  # returns once the rank and all workers have gone
+        except SystemExit as stop:
+            status = stop.code if isinstance(stop.code, int) else 0
+        except BaseException:  # noqa: BLE001 - reported, then the child ends as a failed exec'd server would
+            traceback.print_exc()
+            status = 1
+        finally:
+            os._exit(status)
+
+    multiprocessing.util.spawnv_passfds = fork_instead
+    try:
+        yield
+    finally:
+        multiprocessing.util.spawnv_passfds = spawn
+
+
+def _close_fds_except(keep: set[int]) -> None:
+    low = 0
+    for fd in sorted(keep):
+        if low < fd:  # os.closerange(n, n) would close every descriptor from n on (close_range(n, n - 1))
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
 
 
 def context() -> multiprocessing.context.BaseContext:

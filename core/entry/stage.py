@@ -1,12 +1,12 @@
 """How `python -m pretrain` and `python -m finetune` run their stage (each `__main__` calls `run`).
 
-Before the stage's imports, which take seconds (torch, torchvision, timm, DeepSpeed), `prestart` starts the data
-workers' fork server when the recipe has workers, so that the server's imports of the same modules run on another
-core beside the rank's instead of after them, when the first loader starts (data/worker_process.py); then it imports
-timm without timm's wandb import (core/compat/timm_import.py). The stage then runs guarded: an error is one console
+Before the stage's own imports, `prestart` imports timm without timm's wandb import (core/compat/timm_import.py)
+and, when the recipe has data workers, the data modules, then forks the data workers' fork server from this process
+while it still runs one thread: the server holds torch, torchvision, timm and the data modules without importing
+them again (seconds of CPU per rank; data/worker_process.py). The stage then runs guarded: an error is one console
 line and a logged traceback (core/engine/failure.py).
 
-Torch-free until that timm import. A recipe that does not load is left alone by `prestart`: the stage loads it again
+Torch-free until those imports. A recipe that does not load is left alone by `prestart`: the stage loads it again
 and reports the error as it reports every other.
 """
 
@@ -32,10 +32,16 @@ def run(stage: str, argv: list[str] | None = None) -> int:
 
 
 def prestart(argv: list[str]) -> None:
-    """Start the fork server if `has_workers(argv)`, then import timm."""
-    if has_workers(argv):
-        start_fork_server()
+    """Import timm (without wandb) and, when `has_workers(argv)`, the data modules, then start the fork server as a
+    fork of this process, which then holds them all without importing them again."""
     import core.compat.timm_import  # noqa: F401  (timm without wandb, before anything else imports timm)
+
+    if has_workers(argv):
+        import data.masking  # noqa: F401  (the workers' modules: the server inherits them)
+        import data.pipeline  # noqa: F401
+        import data.transforms  # noqa: F401
+
+        start_fork_server(forked=True)
 
 
 def has_workers(argv: list[str]) -> bool:

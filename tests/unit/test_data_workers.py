@@ -106,11 +106,16 @@ def test_a_stuck_worker_is_one_line_naming_it_and_is_stopped(shards):
 
 
 RANK_SCRIPT = """
-import os, sys, time
+import multiprocessing.forkserver, os, sys, time
 from data.pipeline import make_eval_loader
+from data.worker_process import start_fork_server
 from tests.launching import MARKER, marked_processes
 from tests.unit.test_data_workers import Stall
-shards = sys.argv[1:]
+forked, *shards = sys.argv[1:]
+start_fork_server(forked=forked == "forked")
+server = multiprocessing.forkserver._forkserver._forkserver_pid
+with open(f"/proc/{server}/cmdline", "rb") as f, open("/proc/self/cmdline", "rb") as own:
+    print("forked" if f.read() == own.read() else "exec'd", flush=True)  # a fork runs this command line
 batches = iter(make_eval_loader(shards, transform=Stall(after=8), batch_size=4, rank=0, world_size=1, num_workers=2))
 first = next(batches)
 print(" ".join(str(pid) for pid in marked_processes(os.environ[MARKER]) - {os.getpid()}), flush=True)
@@ -118,15 +123,18 @@ time.sleep(3600)
 """
 
 
-def test_workers_and_fork_server_die_with_a_killed_rank(shards, tmp_path):
-    """A process holding a loader with stuck workers is killed with SIGKILL: its workers and its fork server go."""
+@pytest.mark.parametrize("server", ["forked", "exec'd"])
+def test_workers_and_fork_server_die_with_a_killed_rank(shards, tmp_path, server):
+    """A process holding a loader with stuck workers is killed with SIGKILL: its workers and its fork server go,
+    whether the server is a fork of the rank (as a stage starts it, core/entry/stage.py) or a fresh interpreter."""
     marker = f"test_data_workers-{os.getpid()}-{time.monotonic_ns()}"  # inherited by all the process starts
     env = {**os.environ, MARKER: marker, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     rank = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(RANK_SCRIPT), *shards], cwd=REPO, env=env, stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", textwrap.dedent(RANK_SCRIPT), server, *shards], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
+        assert rank.stdout.readline().strip() == server
         others = {int(pid) for pid in rank.stdout.readline().split()}
         assert len(others) >= 3, others  # the fork server and 2 workers (and multiprocessing's resource tracker)
         rank.kill()

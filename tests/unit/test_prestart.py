@@ -25,6 +25,10 @@ from data.worker_process import context
 before = sorted(m for m in ("torch", "timm", "wandb") if m in sys.modules)
 prestart(sys.argv[1:])
 after = sorted(m for m in ("timm", "wandb") if m in sys.modules)
+with open(f"/proc/{multiprocessing.forkserver._forkserver._forkserver_pid}/cmdline", "rb") as f, open(
+    "/proc/self/cmdline", "rb"
+) as own:
+    server = "forked" if f.read() == own.read() else "exec'd"  # a fork runs this command line, not its own
 queue = context().SimpleQueue()  # what a worker forked from the server holds
 code = "import sys; q.put(sorted(m for m in ('timm', 'wandb') if m in sys.modules))"
 process = context().Process(target=exec, args=(code, {"q": queue}))
@@ -32,8 +36,8 @@ process.start()
 worker = queue.get()
 process.join()
 import timm.utils.summary, wandb  # the run's own wandb logger imports it (logging.wandb)
-print(json.dumps({"before": before, "after": after, "worker": worker, "timm_has_wandb": hasattr(timm.utils.summary,
-                  "wandb"), "wandb": wandb.__name__}))
+print(json.dumps({"before": before, "after": after, "server": server, "worker": worker,
+                  "timm_has_wandb": hasattr(timm.utils.summary, "wandb"), "wandb": wandb.__name__}))
 """
 
 
@@ -45,8 +49,9 @@ def _recipe(tmp_path: Path, name: str, data: dict) -> str:
 
 def test_the_recipe_and_the_entry_points_import_no_torch_before_prestart(tmp_path):
     """Loading a recipe (launch.sh's check does, and every stage first) and importing the stage's start cost no
-    torch import (seconds); prestart then starts the fork server and imports timm, without wandb, in the rank and
-    in the server's workers; wandb still imports afterwards."""
+    torch import (seconds); prestart then imports timm, without wandb, and forks the fork server from the rank
+    (not a fresh interpreter: the server's workers have timm without importing it); wandb still imports
+    afterwards."""
     pytest.importorskip("wandb")
     recipe = _recipe(tmp_path, "workers.yaml", {"num_workers": 1})
     proc = subprocess.run(
@@ -54,7 +59,8 @@ def test_the_recipe_and_the_entry_points_import_no_torch_before_prestart(tmp_pat
         timeout=120,
     )  # fmt: skip
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
-        "before": [], "after": ["timm"], "worker": ["timm"], "timm_has_wandb": False, "wandb": "wandb",
+        "before": [], "after": ["timm"], "server": "forked", "worker": ["timm"], "timm_has_wandb": False,
+        "wandb": "wandb",
     }, proc.stderr[-2000:]  # fmt: skip
 
 
