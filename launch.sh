@@ -95,7 +95,7 @@ nnodes="${nnodes:-1}"
 master_addr="${master_addr:-127.0.0.1}"
 nproc_per_node="${NPROC_PER_NODE:-$default_nproc}"
 # One process on one node needs no torchrun agent (seconds of imports): launch.sh becomes the process, which makes
-# a process group of one itself (core/engine/distributed.py). Its exit code is the stage's own (3, 4: docs/processes.md).
+# a process group of one itself (core/engine/distributed.py). Its exit code is the stage's own (3, 4: docs/recipes.md).
 single=0
 if [[ "$nnodes" == 1 && "$nproc_per_node" == 1 && -z "${HOSTFILE:-}" && -z "${RDZV_ENDPOINT:-}" ]]; then
     single=1
