@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 
 from core.engine.failure import run_guarded
-from core.recipe.config import ConfigError, load_config
+from core.recipe.config import load_config
 from data.worker_process import start_fork_server
 
 StageMain = Callable[[list[str]], int]
@@ -52,7 +52,7 @@ def has_workers(argv: list[str]) -> bool:
         return False
     try:
         return load_config(words[0], words[1:]).data.num_workers > 0
-    except (ConfigError, OSError, ValueError):
+    except (OSError, ValueError):  # ValueError: ConfigError too
         return False
 
 
