@@ -20,6 +20,8 @@ Shape legend:
     B: batch    C: feature channels    H, W: feature-map sides    L: visual tokens (16)    T: token width C_T
 """
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
@@ -119,7 +121,7 @@ class VTResNet(nn.Module):
         img_size: int | tuple[int, int] = 224,
         in_chans: int = 3,
         num_classes: int = 1000,
-        global_pool: str = "avg",
+        global_pool: Literal["avg"] = "avg",
         num_tokens: int = 16,
         token_dim: int = 1024,
         drop_rate: float = 0.0,
@@ -193,7 +195,7 @@ class VTResNet(nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.fc
 
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: Literal["avg"] | None = None) -> None:
         """Replaces the classifier with a fresh one of `num_classes` outputs (0: none)."""
         if global_pool not in (None, "avg"):
             raise ValueError(f"global_pool {global_pool!r}: VT-ResNet only averages its visual tokens ('avg')")
