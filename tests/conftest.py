@@ -1,5 +1,6 @@
 """Session fixtures shared by tests/dist and tests/gpu: synthetic shards. Also pins DeepSpeed's accelerator of the
-test process to the CPU's, as CI has it, and keeps W&B offline."""
+test process to the CPU's, as CI has it, gives each parallel test worker its share of the cores, and keeps W&B
+offline."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.launching import write_synthetic
 
@@ -14,6 +16,13 @@ from tests.launching import write_synthetic
 # engines the unit tests build on the CPU would then move to the GPU. Processes the tests start set their own
 # (tests/launching.py); tests/gpu runs its CUDA engines in such processes.
 os.environ["DS_ACCELERATOR"] = "cpu"
+
+# `make test` runs one test file per core at once (pytest-xdist). Torch in each worker then computes on its share of
+# the cores: with a thread per core in every worker, their OpenMP threads spun against each other and the other
+# worker's processes (a test of 0.2 s alone took 57 s beside a two-rank launch). Processes the tests start set their
+# own (tests/launching.py).
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 # W&B (logging.wandb) never reaches the network in the tests: offline whatever a recipe says, no error reports, no
 # git or code capture, no system metrics, quiet; every process the tests start inherits this.

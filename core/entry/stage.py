@@ -12,10 +12,12 @@ and reports the error as it reports every other.
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 
 from core.engine.failure import run_guarded
+from core.launch.imports import imports_without_collection
 from core.recipe.config import load_config
 from data.worker_process import start_fork_server
 
@@ -27,20 +29,27 @@ def run(stage: str, argv: list[str] | None = None) -> int:
     the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     prestart(argv)
-    main = STAGES[stage]()
-    return run_guarded(lambda: main(argv))
+    with imports_without_collection():
+        main = STAGES[stage]()
+    code = run_guarded(lambda: main(argv))
+    # Nothing the stage built is collected again: frozen, it spares the interpreter's exit a garbage collection over
+    # every object of torch, DeepSpeed, timm and dynamo (1.1 s of CPU per rank at every launch's end).
+    gc.freeze()
+    return code
 
 
 def prestart(argv: list[str]) -> None:
     """Import timm (without wandb) and, when `has_workers(argv)`, the data modules, then start the fork server as a
     fork of this process, which then holds them all without importing them again."""
-    import core.compat.timm_import  # noqa: F401  (timm without wandb, before anything else imports timm)
+    workers = has_workers(argv)
+    with imports_without_collection():
+        import core.compat.timm_import  # noqa: F401  (timm without wandb, before anything else imports timm)
 
-    if has_workers(argv):
-        import data.masking  # noqa: F401  (the workers' modules: the server inherits them)
-        import data.pipeline  # noqa: F401
-        import data.transforms  # noqa: F401
-
+        if workers:
+            import data.masking  # noqa: F401  (the workers' modules: the server inherits them)
+            import data.pipeline  # noqa: F401
+            import data.transforms  # noqa: F401
+    if workers:
         start_fork_server(forked=True)
 
 
