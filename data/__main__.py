@@ -5,6 +5,10 @@ python -m data write --source imagefolder --path /data/imagenet/train --out /dat
 Samples are written in a seeded random order (--shuffle-seed, default 0; recorded in index.json), so that every
 shard holds every class even when the source lists its samples class by class; --no-shuffle keeps the source order.
 python -m data write --source synthetic --num-samples 512 --image-size 32 --out /tmp/syn --shard-size 128
+python -m data write --source segfolder --path /data/ADEChallengeData2016 --split val --out /data/ade/val
+python -m data write --source fashion-mnist-scenes --split train --num-samples 4000 --out /data/scenes/train
+Segmentation sets hold a mask beside each image (data/segmentation.py); ADE20K's 0 ("other") becomes the ignored id
+and the other ids move down by one unless --no-reduce-zero-label.
 python -m data inspect /data/fm/test          (a directory, a brace pattern or a glob)
 python -m data index '/data/laion/{00000..00127}.tar' [--label-field label]   (shards other tools wrote)
 """
@@ -17,14 +21,20 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from data import sources
+from data import seg_sources, sources
 from data.decode import CORRUPT_IMAGE_ERRORS, LabelError, decode_rgb, image_field, read_label
 from data.index import index_shards, local_shards, shard_samples
+from data.segmentation import IGNORE_INDEX, SEG_FIELD, SegInfo, decode_mask
 from data.specs import INDEX_FILE, dataset_size, read_index
 from data.write import write_shards
+
+SOURCES = ["fashion-mnist", "imagefolder", "synthetic", "segfolder", "fashion-mnist-scenes"]
+DEFAULT_SHARD_SIZE = 1000
+"""Samples per shard unless --shard-size says: ~1,000 ImageNet JPEGs are ~110 MB, 1,000 ADE20K pairs ~130 MB."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,18 +53,25 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m data", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     write = commands.add_parser("write", help="write a labelled image source as WebDataset shards")
-    write.add_argument("--source", required=True, choices=["fashion-mnist", "imagefolder", "synthetic"])
+    write.add_argument("--source", required=True, choices=SOURCES)
     write.add_argument("--out", required=True, help="output directory (new or without shards/index)")
-    write.add_argument("--shard-size", type=int, required=True, help="samples per shard")
+    write.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="samples per shard")
     write.add_argument("--split", default="train", help="split name: shard prefix and key prefix")
-    write.add_argument("--path", help="fashion-mnist IDX directory or imagefolder root")
+    write.add_argument("--path", help="fashion-mnist IDX directory, imagefolder root or segfolder (ADE20K) root")
     write.add_argument("--limit", type=int, help="write only the first N samples of the order (a random subset)")
     write.add_argument("--shuffle-seed", type=int, default=0, help="seed of the order the samples are written in")
     write.add_argument("--no-shuffle", action="store_true", help="write the samples in the source's own order")
-    write.add_argument("--num-samples", type=int, default=1000, help="synthetic: number of images")
+    write.add_argument("--num-samples", type=int, default=1000, help="synthetic and scenes: number of images")
     write.add_argument("--image-size", type=int, default=32, help="synthetic: height and width")
-    write.add_argument("--num-classes", type=int, default=10, help="synthetic: number of classes")
-    write.add_argument("--seed", type=int, default=0, help="synthetic: generator seed")
+    write.add_argument(
+        "--num-classes", type=int, help="synthetic: number of classes (default 10); segfolder: class ids (default: "
+        "objectInfo150.txt's, else the largest id in the masks + 1)"
+    )  # fmt: skip
+    write.add_argument("--seed", type=int, default=0, help="synthetic and scenes: generator seed")
+    write.add_argument(
+        "--reduce-zero-label", action=argparse.BooleanOptionalAction, default=True,
+        help="segfolder: id 0 is 'other', ignored; ids 1.. become 0.. (ADE20K's convention; default on)",
+    )  # fmt: skip
     index = commands.add_parser("index", help="write the index.json of shards another tool wrote")
     index.add_argument("spec", nargs="+", help="shard folder (every *.tar), brace pattern, glob, or several paths")
     index.add_argument("--label-field", help="read labels from this integer field of each .json (default: .cls)")
@@ -72,14 +89,7 @@ def _write(args: argparse.Namespace) -> None:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     start = time.perf_counter()
-    if args.source == "fashion-mnist":
-        source = sources.fashion_mnist(args.path, args.split)
-    elif args.source == "imagefolder":
-        if not args.path:
-            raise ValueError("--source imagefolder needs --path (the class-per-subfolder root)")
-        source = sources.image_folder(args.path, args.split)
-    else:
-        source = sources.synthetic(args.num_samples, args.image_size, args.num_classes, args.seed, args.split)
+    source, segmentation = _source(args)
     shuffle_seed = None if args.no_shuffle else args.shuffle_seed
     order = range(source.num_samples) if args.no_shuffle else sources.shuffled_order(source.num_samples, shuffle_seed)
     index = write_shards(
@@ -90,9 +100,28 @@ def _write(args: argparse.Namespace) -> None:
         classes=source.classes,
         source=args.source,
         shuffle_seed=shuffle_seed,
+        segmentation=segmentation,
     )
     seconds = time.perf_counter() - start
     print(f"wrote {index['num_samples']} samples in {len(index['shards'])} shards to {args.out} in {seconds:.1f} s")
+
+
+def _source(args: argparse.Namespace) -> tuple[sources.Source, SegInfo | None]:
+    """The source `--source` names, and for a segmentation source what its index records."""
+    roots = {"imagefolder": "the class-per-subfolder root", "segfolder": "the root of images/ and annotations/"}
+    if args.source in roots and not args.path:
+        raise ValueError(f"--source {args.source} needs --path ({roots[args.source]})")
+    if args.source == "fashion-mnist":
+        return sources.fashion_mnist(args.path, args.split), None
+    if args.source == "imagefolder":
+        return sources.image_folder(args.path, args.split), None
+    if args.source == "synthetic":
+        num_classes = args.num_classes or 10
+        return sources.synthetic(args.num_samples, args.image_size, num_classes, args.seed, args.split), None
+    if args.source == "segfolder":
+        source, info = seg_sources.segfolder(args.path, args.split, reduce_zero_label=args.reduce_zero_label)
+        return source, info._replace(num_classes=args.num_classes or info.num_classes)
+    return seg_sources.fashion_mnist_scenes(args.path, args.split, args.num_samples, args.seed)
 
 
 def _index(args: argparse.Namespace) -> None:
@@ -151,12 +180,30 @@ def _describe_sample(sample: dict, classes: list[str], label_field: str | None) 
         image = f"{field} {rgb.width}x{rgb.height} {mode}"
     except CORRUPT_IMAGE_ERRORS as exn:
         image = f"{field} corrupt ({exn}), skipped by the loaders"
+    if SEG_FIELD in sample:
+        return f"{image}  {_describe_mask(sample[SEG_FIELD], classes)}  other fields: {others or 'none'}"
     try:
         label = read_label(sample, label_field)
         text = f"label {label} ({classes[label] if 0 <= label < len(classes) else '?'})"
     except LabelError:
         text = "no label"
     return f"{image}  {text}  other fields: {others or 'none'}"
+
+
+def _describe_mask(data: bytes, classes: list[str]) -> str:
+    """`mask 96x80: 0 (background) 61%, 3 (Dress) 20%, ignored 0%` (the ids by pixel share, largest first)."""
+    try:
+        ids = decode_mask(data)
+    except CORRUPT_IMAGE_ERRORS as exn:
+        return f"mask corrupt ({exn}), skipped by the loaders"
+    values, counts = np.unique(ids, return_counts=True)
+    shares = sorted(zip(counts.tolist(), values.tolist(), strict=True), reverse=True)
+    parts = [
+        f"ignored {100 * n / ids.size:.0f}%" if k == IGNORE_INDEX
+        else f"{k} ({classes[k] if k < len(classes) else '?'}) {100 * n / ids.size:.0f}%"
+        for n, k in shares
+    ]  # fmt: skip
+    return f"mask {ids.shape[1]}x{ids.shape[0]}: {', '.join(parts)}"
 
 
 if __name__ == "__main__":

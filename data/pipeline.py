@@ -26,6 +26,8 @@ does), and too many skipped shards stop the run; an evaluation shard that fails 
 Samples: any sample with an image field (`jpg`, `jpeg`, `png`, `webp`, `bmp`, any case) streams; its label is read only
 when the loader needs labels (`.cls`, or an integer field of its `.json`), otherwise "label" is -1. Samples with no
 image field and images that do not decode are skipped, logged and counted ("num_corrupt"); a missing label stops.
+A segmentation transform (data/seg_transforms.py, with a `seg_field`) also gets each sample's mask: a mask that does
+not decode or does not fit its image is skipped and counted the same way; a missing one stops (`MaskError`).
 
 Resume: every training batch carries "cursor", where its stream stands right after it (data/cursor.py); the
 training process keeps the last one per worker (`data.cursor.advance`), and a loader given those positions restarts
@@ -54,6 +56,7 @@ from core.compat import webdataset as wds_compat
 from data.cursor import StreamCursor, start_position
 from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS, decode_rgb, image_field, read_label
 from data.order import TrainOrder
+from data.segmentation import decode_mask
 from data.shard_read import ShardCounts, ShardReadPolicy, read_shard
 from data.specs import WeightedShards, dataset_size, describe_shards, sample_quotas
 from data.worker_process import LOADER_TIMEOUT_S
@@ -340,17 +343,49 @@ def _decode(
             continue
         index += 1
         label = label_of(sample)
+        seg_field, what = _mask_field(sample, transform), f"image {field}"
         try:
             image = getattr(transform, "decode", decode_rgb)(sample[field])  # a transform may decode its own input
+            what = f"mask {seg_field}"
+            inputs = (image,) if seg_field is None else (image, _decode_mask(sample[seg_field], image))
         except CORRUPT_IMAGE_ERRORS as exn:
-            log.warning("skipping corrupt image %s of sample %s in shard %s: %s", field, key, url, exn)
+            log.warning("skipping corrupt %s of sample %s in shard %s: %s", what, key, url, exn)
             num_corrupt += 1
             continue
         _seed_global_rngs(_sample_seed(stream_seed, index))  # restored by _restore_global_rngs
-        out = transform(image)
+        out = transform(*inputs)
         fields = out if isinstance(out, dict) else {"image": out}
         yield {**fields, "label": label, "key": key, "num_corrupt": num_corrupt, "index": index}
         num_corrupt = 0
+
+
+def _mask_field(sample: dict[str, Any], transform: Callable) -> str | None:
+    """The field of the sample's mask, for a transform with a `seg_field` (data/seg_transforms.py); None for others.
+
+    Raises:
+        MaskError: The sample has no mask (segmentation shards carry one per image).
+    """
+    seg_field = getattr(transform, "seg_field", None)
+    if seg_field is not None and seg_field not in sample:
+        names = ", ".join(sorted(name for name in sample if not name.startswith("__")))
+        raise MaskError(
+            f"sample {sample['__key__']} in shard {sample['__url__']} has no .{seg_field} mask (fields: {names}); "
+            "segmentation reads shards written with one per image (python -m data write --source segfolder)"
+        )
+    return seg_field
+
+
+def _decode_mask(data: bytes, image: Image.Image) -> np.ndarray:
+    """The mask's class ids, (H, W) uint8; a ValueError (the sample is skipped as corrupt) when its size is not the
+    image's or it does not decode as a mask."""
+    seg = decode_mask(data)
+    if seg.shape != (image.height, image.width):
+        raise ValueError(f"mask of {seg.shape[1]}x{seg.shape[0]} for an image of {image.width}x{image.height}")
+    return seg
+
+
+class MaskError(ValueError):
+    """A segmentation sample without its mask; the message names the key, the shard and the fields it has."""
 
 
 def _collate(

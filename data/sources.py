@@ -1,6 +1,6 @@
 """Labelled image sources that `data.write` turns into shards.
 
-A source gives random access to its `Sample` tuples `(key, image, label, meta)`: sample i is keyed
+A source gives random access to its `Sample` tuples `(key, image, label, meta[, seg])`: sample i is keyed
 `{split}_{i:08d}` (unique within the split, and the same whatever order it is written in), `image` is a
 PIL image or the original JPEG/PNG bytes, `label` indexes the source's class list and `meta` is stored as
 the sample's `.json`. Random access lets `python -m data write` write the samples in a seeded random order
@@ -41,12 +41,15 @@ _SYNTHETIC_SHAPES = ("disc", "square", "triangle", "cross", "ring", "bars")
 
 
 class Sample(NamedTuple):
-    """One labelled image, ready to be written to a shard."""
+    """One image, ready to be written to a shard: with a class label, or with a segmentation mask."""
 
     key: str
     image: Image.Image | bytes
-    label: int
+    label: int | None
+    """The class index; None for a segmentation sample, whose classes are in its mask."""
     meta: dict[str, Any]
+    seg: Image.Image | None = None
+    """A segmentation sample's mask: greyscale, one class id per pixel (data/segmentation.py)."""
 
 
 class Source(NamedTuple):

@@ -154,6 +154,26 @@ def dataset_classes(spec: str | list[str] | list[Any]) -> list[str]:
     return list(read_index(directory).get("classes") or [])
 
 
+def segmentation_info(spec: str | list[str] | list[Any]) -> dict[str, Any]:
+    """A segmentation set's "num_classes", "ignore_index" and "classes" (names), from the `index.json` of `spec`'s
+    folder or beside its first shard (data/write.py writes them; a mixture: its first source's).
+
+    Raises:
+        ValueError: Naming the spec, when it has no index.json or its index describes no segmentation set.
+    """
+    shards = resolve_shards(spec)
+    directory = spec if isinstance(spec, str) and os.path.isdir(spec) else os.path.dirname(shards[0])
+    index = read_index(directory) if os.path.isfile(os.path.join(directory, INDEX_FILE)) else {}
+    info = index.get("segmentation")
+    if not info:
+        raise ValueError(
+            f"{describe_shards(shards)}: no segmentation entry in {os.path.join(directory, INDEX_FILE)}; segmentation "
+            "trains on shards with a mask per image (python -m data write --source segfolder or fashion-mnist-scenes)"
+        )
+    classes = list(index.get("classes") or []) or [f"class_{k}" for k in range(info["num_classes"])]
+    return {"num_classes": info["num_classes"], "ignore_index": info["ignore_index"], "classes": classes}
+
+
 def train_sources(spec: str | list[str] | list[Any]) -> list[WeightedShards]:
     """The sources of a training stream, with their shards resolved (see `resolve_shards`).
 

@@ -7,9 +7,12 @@ EMA of its weights evaluates those too, logged as `val_ema/*`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from core.engine.gather import gather_state_dict
+from core.engine.run import finish_stage
 from core.engine.stage import StageRun
 from core.export.folder import export_state_dict
 from data.pipeline import make_eval_loader
@@ -99,3 +102,16 @@ class BestExport:
             logger.console(f"[mimpipe] per-class accuracy at step {step}:\n{table}")
             logger.text("val/per_class", step, table)
             logger.image("val/confusion_matrix", step, confusion_image(confusion, class_names))
+
+
+def finish_with_export(run: StageRun, export: Callable[[int, dict], None], best: str) -> int:
+    """The end of a fine-tuning run whose loop finished: the best evaluation's line (`best`, e.g. "top1 0.8511") when
+    data.val was evaluated, else the export of the last weights; then the stage's end. Returns 0."""
+    if run.cfg.data.val:
+        run.logger.console(
+            f"[mimpipe] best val {best} at step {run.state.best_step}; exported to {run.run_dir / 'export'}"
+        )
+    else:
+        export(run.state.step, {})
+    finish_stage(run)
+    return 0

@@ -55,10 +55,10 @@ class Classification(nn.Module):
 
     def group_matcher(self, coarse: bool = False) -> dict:
         """timm's parameter groups of the ViT (for layer-wise lr decay), re-rooted at this wrapper's `model.`."""
-        return {group: _reroot(rule, "model.") for group, rule in self.model.group_matcher(coarse).items()}
+        return {group: reroot_rule(rule, "model.") for group, rule in self.model.group_matcher(coarse).items()}
 
 
-def _reroot(rule, prefix: str):
+def reroot_rule(rule, prefix: str):
     """A timm group-matcher rule (regex, or list of (regex, ordinal)) matching the same names under `prefix`.
 
     timm applies rules with `re.match`, so every alternative of `a|b` is anchored at the start of the name; an
@@ -67,4 +67,4 @@ def _reroot(rule, prefix: str):
     if isinstance(rule, str):
         alternatives = "|".join(part.removeprefix("^") for part in rule.split("|"))
         return f"^{re.escape(prefix)}(?:{alternatives})"
-    return [(_reroot(regex, prefix), ordinal) for regex, ordinal in rule]
+    return [(reroot_rule(regex, prefix), ordinal) for regex, ordinal in rule]

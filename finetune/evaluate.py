@@ -11,6 +11,8 @@ Shapes: B batch, K classes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -60,17 +62,10 @@ def evaluate(
     if confusion is not None:
         _check_square(confusion, None)
         counts = torch.zeros(confusion.shape, dtype=torch.int64, device=dist.device)
-    iterator = iter(batches)
-    stand_in = None
     engine.eval()
     try:
-        while True:
-            batch = preempt.next_unless_stopping(iterator)
-            if not _anyone_has_data(batch is not None, stand_in is not None, dist):
-                break
-            real = batch is not None
-            stand_in = batch if real else stand_in
-            batch = to_device(stand_in, dist.device, precision)
+        for batch, real in lockstep(batches, dist):
+            batch = to_device(batch, dist.device, precision)
             logits = engine(batch)["logits"].float()  # (B, K); bf16: under the engine's own autocast
             if real:  # a stand-in is forwarded only to keep ZeRO-3 in step: weight 0, it is not added
                 _accumulate(logits, batch["label"], sums, counts)
@@ -81,6 +76,25 @@ def evaluate(
         confusion.copy_(all_reduce(counts))
     n = max(count, 1.0)
     return {"val/loss": loss / n, "val/top1": top1 / n, "val/top5": top5 / n, "val/samples": count}
+
+
+def lockstep(batches, dist: DistInfo) -> Iterator[tuple[dict, bool]]:
+    """This rank's batches, each with True, in lock-step with every other rank's; once this rank has run out and
+    others have not, copies of its last batch, each with False (a stand-in to forward and not to count); collective:
+    every rank must iterate it to its end.
+
+    Raises:
+        ValueError: On every rank, if some rank has no batch at all while others have some (see `evaluate`).
+        preempt.StopAgreed: On every rank, when some rank received SIGTERM.
+    """
+    iterator = iter(batches)
+    stand_in = None
+    while True:
+        batch = preempt.next_unless_stopping(iterator)
+        if not _anyone_has_data(batch is not None, stand_in is not None, dist):
+            return
+        stand_in = batch if batch is not None else stand_in
+        yield stand_in, batch is not None
 
 
 def _anyone_has_data(has_batch: bool, has_stand_in: bool, dist: DistInfo) -> bool:
@@ -135,7 +149,7 @@ def per_class_table(confusion: torch.Tensor, class_names: list[str]) -> str:
         accuracy = num_correct / num_samples if num_samples else None
         accuracies += [] if accuracy is None else [accuracy]
         rows.append([name.replace("|", "\\|"), str(num_samples), str(num_correct), _fraction(accuracy)])
-    lines = _markdown_table(rows)
+    lines = markdown_table(rows)
     mean = sum(accuracies) / len(accuracies) if accuracies else None
     lines.append("")  # ends the markdown table
     lines.append(
@@ -148,7 +162,7 @@ def _fraction(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def _markdown_table(rows: list[list[str]]) -> list[str]:
+def markdown_table(rows: list[list[str]]) -> list[str]:
     """Lines of a markdown table (first row the header), padded to line up; first column left-aligned, rest right."""
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
 

@@ -1,6 +1,6 @@
 """Fine-tuning's launch-time checks (run by core/launch/preflight.py before any process starts): `model.init` opens, its
 format is detected and it fits the recipe's model; `distill.teacher` opens; the number of classes is known and every
-split's labels are below it.
+split's labels are below it, or, for segmentation, every split is a segmentation set with the same classes.
 
 `model.init` is fitted as `load_encoder` would (`core.export.handoff.fit_problems`) without reading weights: a
 safetensors file's header gives the shapes, and the recipe's model is built on the meta device, so even a ViT-H
@@ -21,7 +21,8 @@ from core.models.build import build_model
 from core.recipe.config import Config
 from data.decode import image_field, read_label
 from data.index import shard_samples
-from data.specs import INDEX_FILE, dataset_classes, read_index, resolve_shards
+from data.segmentation import IGNORE_INDEX, SEG_FIELD
+from data.specs import INDEX_FILE, dataset_classes, read_index, resolve_shards, segmentation_info
 from finetune.teacher import teacher_is_folder
 
 LABEL_SAMPLES = 64
@@ -35,6 +36,9 @@ def check(cfg: Config, findings: Findings, world_size: int) -> None:
         check_init(cfg, findings)
     if cfg.distill.kind != "none":
         check_teacher(cfg, findings)
+    if cfg.objective.kind == "segmentation":
+        check_segmentation(cfg, findings)
+        return
     check_num_classes(cfg, findings)
     if not findings.problems:
         check_label_range(cfg, findings)
@@ -83,6 +87,32 @@ def check_teacher(cfg: Config, findings: Findings) -> None:
         findings.fail("distill.teacher", str(err), file=teacher)
         return
     findings.ok(f"distill.teacher: {ckpt.format}, {describe_encoder(ckpt.state)}")
+
+
+def check_segmentation(cfg: Config, findings: Findings) -> None:
+    """Every split is a segmentation set: its index names the class count (which `model.num_classes`, if set, and
+    the other splits agree with) and the ignored id this code knows, and its first local sample has a mask."""
+    counts = {}
+    for key, spec, _ in shard_specs(cfg):
+        try:
+            info = segmentation_info(spec)
+        except ValueError as err:  # no index, or not a segmentation set's: the message names the file
+            findings.fail(key, str(err))
+            continue
+        if info["ignore_index"] != IGNORE_INDEX:
+            findings.fail(key, f"its index.json gives ignore_index {info['ignore_index']}; masks ignore {IGNORE_INDEX}")
+        counts[key] = info["num_classes"]
+        local = next((shard for shard in resolve_shards(spec) if os.path.isfile(shard)), None)
+        first = next(shard_samples(local), None) if local else None
+        if first is not None and SEG_FIELD not in first:
+            findings.fail(key, f"the first sample of {local} ({first['__key__']}) has no .{SEG_FIELD} mask")
+    if cfg.model.num_classes:
+        counts["model.num_classes"] = cfg.model.num_classes
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{key} {count}" for key, count in counts.items())
+        findings.fail(next(iter(counts)), f"the class counts differ: {listed}")
+    elif counts:
+        findings.ok(f"segmentation: {next(iter(counts.values()))} classes, masks beside the images")
 
 
 def check_num_classes(cfg: Config, findings: Findings) -> None:

@@ -1,27 +1,28 @@
 """The fine-tuning stage, as `python -m finetune` runs it (finetune/__main__.py): hand-off from any accepted checkpoint,
 classification training (full fine-tuning, linear probe, or DeiT distillation), exactly-once evaluation, export of
-the best checkpoint; or `convert SRC DST`."""
+the best checkpoint; semantic segmentation (finetune/segment.py); or `convert SRC DST`."""
 
 from __future__ import annotations
 
-import json
 import sys
 from functools import partial
 
 import torch
 
 from core.engine.loop import LoopHooks
-from core.engine.run import finish_stage, run_loop, seed_everything, start_engine, start_stage
+from core.engine.run import run_loop, seed_everything, start_engine, start_stage
 from core.engine.stream import train_stream
-from core.export.handoff import load_encoder, resolve_global_pool
+from core.export.handoff import resolve_global_pool
 from core.models.build import build_model
 from data.mixing import build_mix, mixed
 from data.specs import dataset_classes
 from data.transforms import eval_transform, finetune_train_transform
-from finetune.best import BestExport
+from finetune.best import BestExport, finish_with_export
 from finetune.classification import Classification
 from finetune.distillation import Distillation, to_distilled
+from finetune.handoff import hand_off
 from finetune.probe_ema import WeightEMA, make_linear_probe
+from finetune.segment import main_segmentation
 from finetune.teacher import load_teacher
 
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     # Config (pooling from the checkpoint's hint unless the recipe says), distributed init, run dir, resume point
     run = start_stage("python -m finetune", argv, resolve=resolve_global_pool)
     cfg = run.cfg
+    if cfg.objective.kind == "segmentation":
+        return main_segmentation(run)
     classes = dataset_classes(cfg.data.train)
     num_classes = cfg.model.num_classes or len(classes)
     if not num_classes:
@@ -67,17 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         after_update=partial(update_ema, engine) if engine.module.ema is not None else None,
     )
     code = run_loop(run, engine, optimizer, batches, hooks)
-    if code:
-        return code
-    if cfg.data.val:
-        run.logger.console(
-            f"[mimpipe] best val top1 {run.state.best_top1:.4f} at step {run.state.best_step}; "
-            f"exported to {run.run_dir / 'export'}"
-        )
-    else:
-        best.export(run.state.step, {})
-    finish_stage(run)
-    return 0
+    return code or finish_with_export(run, best.export, f"top1 {run.state.best_top1:.4f}")
 
 
 def update_ema(engine, step: int, applied: torch.Tensor) -> None:
@@ -89,15 +82,7 @@ def update_ema(engine, step: int, applied: torch.Tensor) -> None:
 def build_objective(cfg, run, num_classes: int, *, label_smoothing: float):
     """The classifier after the hand-off, as a full fine-tune, a linear probe or a distilled student, with its EMA."""
     model = build_model(cfg, num_classes=num_classes, plain=True)
-    if cfg.model.init:
-        report = load_encoder(
-            model, cfg.model.init, head_init=cfg.model.head_init, head_init_std=cfg.model.head_init_std,
-            pos_embed_resize=cfg.model.pos_embed_resize, trust_checkpoint=cfg.model.trust_checkpoint,
-        )  # fmt: skip
-        run.logger.console(f"[mimpipe] hand-off from {cfg.model.init}\n{report.format()}")
-        run.logger.text("finetune/load_report", 0, report.format())
-        if run.dist.is_main:
-            (run.run_dir / "load_report.json").write_text(json.dumps(report.as_dict(), indent=2))
+    hand_off(model, run)
     if cfg.objective.mode == "linear_probe":
         model = make_linear_probe(model)
     if cfg.distill.kind == "none":

@@ -30,6 +30,8 @@ class TrainState:
     """Fine-tuning: the best `val/top1` so far (the weights in run_dir/export) and the step it was measured at, kept
     across a resume so that a worse evaluation never overwrites the exported best."""
     best_step: int = 0
+    best_miou: float = -1.0
+    """Segmentation fine-tuning's best `val/miou` so far, as `best_top1` is classification's (`best_step` its step)."""
 
     def state_dict(self) -> dict:
         """Every field: a field added to the class is saved and resumed (elastic resume included) with no other

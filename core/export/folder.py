@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def export_model(
     model_args: dict,
     manifest: dict,
     data_config: dict | None = None,
+    extra_files: dict[str, Callable[[Path], None]] | None = None,
 ) -> Path:
     """Write `model` as a timm `local-dir` folder with a manifest, atomically replacing any previous export.
 
@@ -55,6 +57,8 @@ def export_model(
         manifest: JSON-serialisable facts about the run (method, step, recipe, data, pooling hint, ...).
         data_config: Preprocessing the encoder was trained with (mean, std, interpolation, crop_pct, crop_mode),
             written into config.json's `pretrained_cfg`; the model's own defaults otherwise.
+        extra_files: More files of the export, by name: each function writes its file at the path it is given
+            (inside the folder before it is swapped in, so they are part of the same atomic replacement).
 
     Returns:
         The export folder.
@@ -75,12 +79,23 @@ def export_model(
         # storage (views into a flat optimizer buffer, tied weights): it is given the detached copies instead.
         timm_compat.save_for_hf(model, tmp_dir, tensors, model_config={"pretrained_cfg": overlay}, model_args=arch_args)
         (tmp_dir / MANIFEST_NAME).write_text(json.dumps(full_manifest, indent=2) + "\n")
+        for name, write in (extra_files or {}).items():
+            write(tmp_dir / name)
         _check_rebuilds(model, tmp_dir, tensors)
     return out_dir
 
 
-def export_state_dict(cfg: Config, state_dict: dict, out_dir: Path, *, num_classes: int, manifest: dict) -> Path:
-    """Rebuild the plain timm model on CPU, load `state_dict` strictly and export it (timm HF layout)."""
+def export_state_dict(
+    cfg: Config,
+    state_dict: dict,
+    out_dir: Path,
+    *,
+    num_classes: int,
+    manifest: dict,
+    extra_files: dict[str, Callable[[Path], None]] | None = None,
+) -> Path:
+    """Rebuild the plain timm model on CPU, load `state_dict` strictly and export it (timm HF layout), with
+    `extra_files` (see `export_model`)."""
     model = build_model(cfg, num_classes=num_classes)
     model.load_state_dict(state_dict, strict=True)
     data_config = {
@@ -89,7 +104,10 @@ def export_state_dict(cfg: Config, state_dict: dict, out_dir: Path, *, num_class
         "interpolation": "bicubic",
         "crop_pct": cfg.data.eval_crop_pct,
     }
-    return export_model(model, out_dir, model_args=model_args(model), manifest=manifest, data_config=data_config)
+    return export_model(
+        model, out_dir, model_args=model_args(model), manifest=manifest, data_config=data_config,
+        extra_files=extra_files,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager

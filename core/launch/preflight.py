@@ -90,7 +90,7 @@ def preflight(cfg: Config, stage: StageChecks, *, world_size: int = 1, allow_cha
     findings = Findings()
     check_device(cfg.engine.device, findings)
     check_run_dir(cfg.run_dir, findings)
-    labels = cfg.stage == "finetune"  # pretraining reads images only
+    labels = cfg.stage == "finetune" and cfg.objective.kind == "classification"  # others read images (and masks)
     resolved = {
         key: check_split(key, spec, cfg.data.label_field, labels, findings, num_ranks=world_size if is_eval else 1)
         for key, spec, is_eval in shard_specs(cfg)

@@ -232,12 +232,38 @@ class T2TViT(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, 1 + N, D), normalised class token then grid tokens."""
+        return self.norm(self.blocks(self._embed(x)))
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: list[int],
+        *,
+        norm: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = True,
+    ) -> list[torch.Tensor]:
+        """The grid tokens after each block of `indices` (0-based), (B, D, h, w) each, or (B, N, D) with
+        `output_fmt` "NLC"; after the final norm with `norm`. The part of timm's ViT method that segmentation heads
+        call (`intermediates_only` only)."""
+        if not intermediates_only or output_fmt not in ("NCHW", "NLC"):
+            raise ValueError("T2T-ViT's forward_intermediates gives the intermediates only, as NCHW or NLC")
+        x, outs = self._embed(x), []
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i in indices:
+                outs.append((self.norm(x) if norm else x)[:, self.num_prefix_tokens :])  # (B, N, D)
+        if output_fmt == "NLC":
+            return outs
+        return [out.transpose(1, 2).unflatten(2, self.grid_size) for out in outs]  # (B, D, h, w)
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, 1 + N, D): T2T tokens after the class token, position embedding added."""
         if tuple(x.shape[-2:]) != self.img_size:
             raise ValueError(f"input size {tuple(x.shape[-2:])} does not match the model's img_size {self.img_size}")
         x = self.tokens_to_token(x)  # (B, N, D)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, D)
-        x = self.pos_drop(x + self.pos_embed.to(x.dtype))
-        return self.norm(self.blocks(x))
+        return self.pos_drop(x + self.pos_embed.to(x.dtype))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """(B, 1 + N, D) -> (B, num_classes), or the pooled (B, D) with `pre_logits`."""

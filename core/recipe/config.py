@@ -27,6 +27,7 @@ from core.recipe.sections import (
     MAEObjective,
     Objective,
     Section,
+    SegmentationObjective,
     TrainSource,
     TrainSpec,
 )
@@ -35,6 +36,8 @@ from data.shard_read import ShardReadPolicy
 from data.worker_process import LOADER_TIMEOUT_S
 
 _READS = ShardReadPolicy()  # the defaults of the data.read_* keys
+SEGMENTATION_ARCHS = ("vit", "vit_hybrid", "t2t_vit")
+"""Encoders with a token grid of patches, which the segmentation heads read block by block."""
 
 
 # timm's IMAGENET_DEFAULT_MEAN/STD (tests/unit/test_layers.py checks they agree), written out: importing timm.data
@@ -408,12 +411,33 @@ class Config(Section):
             )
         if self.eval.knn.enabled:
             self._check_knn()
+        if isinstance(self.objective, SegmentationObjective):
+            self._check_segmentation()
         if self.data.global_batch_size % self.engine.grad_accum_steps:
             raise ValueError(
                 f"data.global_batch_size {self.data.global_batch_size} is not divisible by "
                 f"engine.grad_accum_steps {self.engine.grad_accum_steps}"
             )
         return self
+
+    def _check_segmentation(self) -> None:
+        """What segmentation does not do: classification's mixing, erasing, policies, distillation and EMA."""
+        if self.model.arch not in SEGMENTATION_ARCHS:
+            raise ValueError(
+                f"objective segmentation needs model.arch in {SEGMENTATION_ARCHS}, not {self.model.arch!r}"
+            )
+        a = self.augment
+        unused = {
+            "augment.mixup": a.mixup, "augment.cutmix": a.cutmix, "augment.re_prob": a.re_prob,
+            "augment.auto_augment": a.auto_augment, "optim.ema_decay": self.optim.ema_decay,
+        }  # fmt: skip
+        for key, value in unused.items():
+            if value:
+                raise ValueError(f"{key} is {value!r}: segmentation does not use it (set it to 0 or null)")
+        if self.distill.kind != "none":
+            raise ValueError("distill is classification's: objective segmentation needs distill.kind none")
+        if self.objective.eval_stride is not None and self.objective.eval_mode != "slide":
+            raise ValueError("objective.eval_stride needs objective.eval_mode slide")
 
     def _check_knn(self) -> None:
         knn = self.eval.knn

@@ -162,6 +162,33 @@ class ClassificationObjective(Section):
     """linear_probe: frozen encoder, BatchNorm1d(affine=False) + linear head on the pooled features (MAE)."""
 
 
+class SegmentationObjective(Section):
+    kind: Literal["segmentation"] = "segmentation"
+    """segmentation: per-pixel cross-entropy on segmentation shards' masks, mIoU on data.val (stage finetune;
+    finetune/segment.py). model.img_size is the training crop."""
+    head: Literal["upernet", "linear"] = "upernet"
+    """upernet: UperNet + an auxiliary FCN head over four blocks of the ViT, brought to strides 4-32 (BEiT's and
+    MAE's ADE20K set-up); linear: BatchNorm + 1x1 convolution on the last block's patch tokens (DINOv2's probe)."""
+    channels: int = Field(512, gt=0)
+    """UperNet's width (mmsegmentation's default; BEiT and MAE use 768 with ViT-B)."""
+    aux_weight: float = Field(0.4, ge=0.0)
+    """Weight of the auxiliary FCN head's loss (UperNet); 0 builds no auxiliary head."""
+    freeze_encoder: bool = False
+    """Train the head alone; the encoder keeps the weights it was handed (a probe)."""
+    scale: tuple[float, float] = (0.5, 2.0)
+    """Range of the random rescale before the crop, relative to `base_size` (mmsegmentation's ratio_range)."""
+    base_size: int | None = Field(None, gt=0)
+    """The images' short side at scale 1 (training) and for sliding evaluation; default: the crop's short side."""
+    photometric: bool = True
+    """Brightness, contrast, saturation and hue jitter of the training images (mmsegmentation's
+    PhotoMetricDistortion)."""
+    eval_mode: Literal["whole", "slide"] = "whole"
+    """whole: each image resized to the crop, predicted at once; slide: short side resized to `base_size`, predicted
+    in crop-sized windows (ADE20K: 512 at stride 341). Scores are taken at every mask's own size."""
+    eval_stride: int | None = Field(None, gt=0)
+    """The sliding windows' stride; default: 2/3 of the crop."""
+
+
 class AugmentConfig(Section):
     """Fine-tuning augmentation and regularisation (timm's implementations), applied on the training stream."""
 
@@ -204,10 +231,14 @@ class DistillConfig(Section):
 
 
 Objective = Annotated[
-    MAEObjective | BEiTObjective | SimMIMObjective | VQVAEObjective | ClassificationObjective,
+    MAEObjective | BEiTObjective | SimMIMObjective | VQVAEObjective | ClassificationObjective | SegmentationObjective,
     Field(discriminator="kind"),
 ]
-OBJECTIVES_BY_STAGE = {"pretrain": ("mae", "beit", "simmim"), "finetune": ("classification",), "tokenizer": ("vqvae",)}
+OBJECTIVES_BY_STAGE = {
+    "pretrain": ("mae", "beit", "simmim"),
+    "finetune": ("classification", "segmentation"),
+    "tokenizer": ("vqvae",),
+}
 
 
 class KNNSet(Section):

@@ -1,4 +1,5 @@
-"""Counting metrics shared by the stages: fine-tuning evaluation and the kNN monitor of pretraining."""
+"""Counting metrics shared by the stages: fine-tuning evaluation (classification and segmentation) and the kNN
+monitor of pretraining."""
 
 from __future__ import annotations
 
@@ -20,3 +21,51 @@ def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]
     top = logits.topk(min(max(ks), num_classes), dim=-1).indices  # (B, maxk), best first
     hits = top == labels[:, None]  # (B, maxk)
     return torch.stack([hits[:, : min(k, num_classes)].any(dim=-1).sum() for k in ks])
+
+
+def confusion_counts(pred: torch.Tensor, target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
+    """The confusion matrix of one batch of per-pixel predictions.
+
+    Args:
+        pred: (...) predicted class ids.
+        target: (...) true class ids, `ignore_index` where a pixel is not scored.
+        num_classes: K.
+        ignore_index: The target id that is left out.
+
+    Returns:
+        (K, K) int64: [true, predicted] pixel counts.
+
+    Raises:
+        ValueError: If a scored target id is outside [0, K).
+    """
+    scored = target != ignore_index
+    true, predicted = target[scored].long(), pred[scored].long()
+    if true.numel() and not (int(true.min()) >= 0 and int(true.max()) < num_classes):
+        raise ValueError(f"a mask holds class id {int(true.max())} outside [0, {num_classes}) (model.num_classes)")
+    counts = torch.bincount(true * num_classes + predicted, minlength=num_classes * num_classes)
+    return counts.view(num_classes, num_classes)
+
+
+def segmentation_scores(confusion: torch.Tensor) -> dict[str, float | list[float | None]]:
+    """mIoU, per-class IoU and pixel accuracy from a (K, K) [true, predicted] confusion matrix.
+
+    IoU_k = TP / (TP + FP + FN). A class that neither occurs nor is predicted has no IoU (None) and is left out of
+    the mean, as mmsegmentation does (its NaN); one that is predicted but never occurs has IoU 0.
+
+    Returns:
+        {"miou", "pixel_acc", "mean_acc": the mean per-class recall over classes that occur, "iou": K floats or None}.
+    """
+    counts = confusion.double()
+    true_positive = counts.diagonal()
+    union = counts.sum(0) + counts.sum(1) - true_positive  # predicted + occurring - both
+    occurring = counts.sum(1)
+    iou = [float(tp / u) if u > 0 else None for tp, u in zip(true_positive, union, strict=True)]
+    scored = [value for value in iou if value is not None]
+    recall = [float(tp / n) for tp, n in zip(true_positive, occurring, strict=True) if n > 0]
+    total = float(counts.sum())
+    return {
+        "miou": sum(scored) / len(scored) if scored else 0.0,
+        "pixel_acc": float(true_positive.sum()) / total if total else 0.0,
+        "mean_acc": sum(recall) / len(recall) if recall else 0.0,
+        "iou": iou,
+    }

@@ -13,12 +13,9 @@ from PIL import Image
 from data import sources
 from data.__main__ import inspect_shards, main
 from data.write import write_shards
+from tests.helpers.datasets import needs_fashion_mnist
 
 FM_DIR = sources.FASHION_MNIST_DIR
-needs_fashion_mnist = pytest.mark.skipif(
-    not os.path.isfile(os.path.join(FM_DIR, "t10k-images-idx3-ubyte.gz")),
-    reason="needs `apt-get install -y dataset-fashion-mnist`",
-)
 
 
 def _read_tar(path: str) -> list[dict]:

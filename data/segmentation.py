@@ -1,0 +1,44 @@
+"""Semantic segmentation samples: a class-id mask beside each image.
+
+A segmentation shard holds, per sample `key`, the image (`key.jpg` / `key.png`) and its mask `key.seg.png`: one
+class id per pixel (a greyscale or palette PNG, the palette index being the id), `IGNORE_INDEX` (255) where no class
+is known. The shard's `index.json` says how many classes there are and which id is ignored (data/write.py). The
+transforms that move image and mask together are in data/seg_transforms.py.
+
+Shapes: H/W the stored image's height and width.
+"""
+
+import io
+from typing import NamedTuple
+
+import numpy as np
+from PIL import Image
+
+SEG_FIELD = "seg.png"
+"""The sample field of a mask (`key.seg.png` in the tar)."""
+IGNORE_INDEX = 255
+"""The mask id of pixels that no loss or metric counts (unlabelled, padding)."""
+MASK_MODES = ("L", "P")
+"""PNG modes a mask may be stored in: 8-bit greyscale, or a palette whose indices are the class ids."""
+
+
+class SegInfo(NamedTuple):
+    """What a segmentation set's index records besides its shards (data/write.py)."""
+
+    num_classes: int | None
+    """Class ids 0..num_classes-1; None: one more than the largest id the masks hold (found while writing)."""
+    reduce_zero_label: bool
+    """Whether the stored ids were shifted down by one, the source's 0 ("other") becoming `IGNORE_INDEX`."""
+
+
+def decode_mask(data: bytes) -> np.ndarray:
+    """A stored mask as its class ids, (H, W) uint8.
+
+    Raises:
+        ValueError: If the PNG holds colours (RGB) or more than 8 bits per pixel, which are not class ids.
+        One of `data.decode.CORRUPT_IMAGE_ERRORS` for bytes that do not decode.
+    """
+    with Image.open(io.BytesIO(data)) as img:
+        if img.mode not in MASK_MODES:
+            raise ValueError(f"a mask must be a greyscale or palette PNG of class ids, this one is {img.mode}")
+        return np.array(img)  # a palette image's array holds its indices

@@ -1,0 +1,98 @@
+"""Segmentation evaluation on data.val: mIoU, per-class IoU and pixel accuracy, every image counted once across ranks.
+
+Each rank streams its own shards (`data.pipeline.make_eval_loader`) one image at a time, since masks keep their
+stored size. An image is predicted whole (resized to the crop by its transform) or window by window ("slide":
+crop-sized windows at `stride`, the last ones flush with the far edges, logits averaged where windows overlap; an
+image smaller than the crop is padded), the logits are resized bilinearly to the mask's size, and its scored pixels
+are added to a (K, K) confusion matrix. The matrices are summed over ranks once at the end, so the scores are those
+of all pixels at any world size. Ranks forward in lock-step, one forward per image (finetune/evaluate.py
+`lockstep`: under ZeRO-3 every forward is collective).
+
+Shapes: K classes, H/W a mask's size, h/w the image as the transform resized it, (ch, cw) the crop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from core.engine.distributed import DistInfo, all_reduce
+from core.engine.precision import to_device
+from core.report.metrics import confusion_counts, segmentation_scores
+from data.segmentation import IGNORE_INDEX
+from finetune.evaluate import lockstep
+
+
+@torch.no_grad()
+def evaluate_segmentation(
+    engine,
+    batches,
+    *,
+    dist: DistInfo,
+    precision: str,
+    num_classes: int,
+    crop: tuple[int, int],
+    stride: tuple[int, int] | None = None,
+) -> tuple[dict[str, float], torch.Tensor]:
+    """Evaluate on every rank's share of the held-out set; collective: every rank must call it.
+
+    Args:
+        engine: Called as `engine({"image": ...})`, returns "logits" (N, K, ch, cw); has `eval()` and `train()`.
+        batches: This rank's batches of one image each: "image" (1, 3, h, w) uint8 and "seg" (1, H, W).
+        dist: This process's place in the group.
+        precision: As for training.
+        num_classes: K.
+        crop: The model's input size.
+        stride: Slide the crop over the image at this stride; None: the image is the crop (whole-image mode).
+
+    Returns:
+        {"val/miou", "val/pixel_acc", "val/mean_acc", "val/images"} and the (K, K) confusion matrix summed over ranks
+        (rows true, columns predicted), on the CPU.
+    """
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=dist.device)
+    images = torch.zeros((), dtype=torch.float64, device=dist.device)
+    engine.eval()
+    try:
+        for batch, real in lockstep(batches, dist):
+            batch = to_device(batch, dist.device, precision)
+            logits = predict(engine, batch["image"], crop, stride)  # (1, K, h, w)
+            if real:  # a stand-in only keeps ZeRO-3 in step
+                target = batch["seg"]  # (1, H, W)
+                logits = F.interpolate(logits, target.shape[-2:], mode="bilinear", align_corners=False)
+                confusion += confusion_counts(logits.argmax(dim=1), target, num_classes, IGNORE_INDEX)
+                images += 1
+    finally:
+        engine.train()
+    confusion = all_reduce(confusion).cpu()
+    scores = segmentation_scores(confusion)
+    metrics = {"val/miou": scores["miou"], "val/pixel_acc": scores["pixel_acc"], "val/mean_acc": scores["mean_acc"]}
+    metrics["val/images"] = float(all_reduce(images))
+    return metrics, confusion
+
+
+def predict(engine, image: torch.Tensor, crop: tuple[int, int], stride: tuple[int, int] | None) -> torch.Tensor:
+    """Logits (1, K, h, w) of one normalised image (1, 3, h, w): one forward of the image, or of all its windows."""
+    if stride is None:
+        return engine({"image": image})["logits"].float()
+    height, width = image.shape[-2:]
+    pad_h, pad_w = max(crop[0] - height, 0), max(crop[1] - width, 0)
+    padded = F.pad(image, (0, pad_w, 0, pad_h))  # zeros after normalisation: the mean colour
+    boxes = window_boxes(padded.shape[-2:], crop, stride)
+    windows = torch.cat([padded[..., top : top + crop[0], left : left + crop[1]] for top, left in boxes])
+    logits = engine({"image": windows})["logits"].float()  # (n, K, ch, cw)
+    total = logits.new_zeros(1, logits.shape[1], *padded.shape[-2:])
+    count = logits.new_zeros(1, 1, *padded.shape[-2:])
+    for (top, left), window in zip(boxes, logits, strict=True):
+        total[..., top : top + crop[0], left : left + crop[1]] += window
+        count[..., top : top + crop[0], left : left + crop[1]] += 1
+    return (total / count)[..., :height, :width]
+
+
+def window_boxes(size: torch.Size | tuple[int, int], crop: tuple[int, int], stride: tuple[int, int]) -> list:
+    """The (top, left) corners of the windows that cover a `size` image at least as large as `crop`: every `stride`,
+    the last window of a row or column moved back to end at the image's edge (mmsegmentation's slide inference)."""
+    corners = []
+    for side, window, step in zip(size, crop, stride, strict=True):
+        count = max(-(-(side - window) // step), 0) + 1  # ceil((side - window) / step) + 1
+        corners.append(sorted({min(i * step, side - window) for i in range(count)}))
+    return [(top, left) for top in corners[0] for left in corners[1]]

@@ -1,0 +1,93 @@
+"""Segmentation fine-tuning with real processes: from an MAE export at 2 ranks through ./launch.sh, and the
+evaluation's mIoU at 1 and 2 ranks (torchrun, gloo)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import timm
+import torch
+
+from data.__main__ import main as data_main
+from tests.helpers.datasets import needs_fashion_mnist
+from tests.launching import TINY_MODEL, launch, read_metrics, torchrun, write_recipe
+
+pytestmark = [pytest.mark.dist, needs_fashion_mnist]
+
+
+@pytest.fixture(scope="module")
+def scenes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scenes")
+    for split, num, size in (("train", 48, 12), ("val", 16, 4)):
+        data_main(["write", "--source", "fashion-mnist-scenes", "--split", split, "--num-samples", str(num),
+                   "--out", str(root / split), "--shard-size", str(size)])  # fmt: skip
+    return root
+
+
+def seg_recipe(scenes, run_dir, init, **objective) -> dict:
+    return {
+        "stage": "finetune",
+        "run_dir": str(run_dir),
+        "model": {**TINY_MODEL, "img_size": 32, "init": str(init)},
+        "data": {
+            "train": str(scenes / "train"),
+            "val": str(scenes / "val"),
+            "global_batch_size": 8,
+            "num_workers": 1,
+            "mean": [0.2, 0.2, 0.2],
+            "std": [0.3, 0.3, 0.3],
+        },  # fmt: skip
+        "objective": {"kind": "segmentation", "channels": 16, **objective},
+        "optim": {"base_lr": 1e-3, "layer_decay": 0.75},
+        "schedule": {"steps": 4, "warmup_steps": 1},
+        "engine": {"device": "cpu", "zero_stage": 2},
+        "checkpoint": {"every_steps": 4},
+        "logging": {"every_steps": 2},
+        "eval": {"every_steps": 2},
+    }
+
+
+def test_upernet_finetunes_from_an_mae_export_and_exports_encoder_and_head(zero2_run, scenes, tmp_path):
+    """16 px MAE export -> 32 px UperNet (pos-embed 4x4 -> 8x8), 2 ranks, evaluated at steps 2 and 4."""
+    run_dir, _ = zero2_run
+    recipe = write_recipe(tmp_path / "seg.yaml", seg_recipe(scenes, tmp_path / "run", run_dir / "export"))
+    proc = launch(recipe)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "pos_embed" in proc.stdout and "per-class IoU at step 4" in proc.stdout
+    evals = [m for m in read_metrics(tmp_path / "run") if "val/miou" in m]
+    assert [m["step"] for m in evals] == [2, 4] and all(m["val/images"] == 16 for m in evals)
+    assert all(0.0 <= m["val/miou"] <= 1.0 and 0.0 < m["val/pixel_acc"] <= 1.0 for m in evals)
+    train = [m for m in read_metrics(tmp_path / "run") if "train/pixel_acc" in m]
+    assert train and all(torch.isfinite(torch.tensor(m["train/loss"])) for m in train)
+
+    export = tmp_path / "run" / "export"
+    manifest = json.loads((export / "mimpipe.json").read_text())
+    best = max(evals, key=lambda m: (m["val/miou"], -m["step"]))
+    assert manifest["method"] == "segmentation" and manifest["step"] == best["step"]
+    assert manifest["segmentation"]["head"] == "upernet" and manifest["classes"][0] == "background"
+    encoder = timm.create_model(f"local-dir:{export}", pretrained=True)  # strict: the encoder alone
+    assert encoder.pos_embed.shape == (1, 1 + 64, 32)
+    head = safetensors.torch.load_file(str(export / "seg_head.safetensors"))
+    assert head["head.classifier.weight"].shape == (11, 16, 1, 1) and "aux_head.classifier.weight" in head
+    assert not any(k.startswith("encoder.") for k in head)
+
+
+@pytest.mark.parametrize("mode", ["whole", "slide"])
+def test_miou_is_the_same_on_one_and_two_ranks(scenes, mode):
+    """The confusion matrices are summed over ranks: every pixel of every image once, at any world size."""
+    outputs = [torchrun("seg_eval_worker.py", scenes / "val", mode, nproc=n).stdout for n in (1, 2)]
+    lines = [[line for line in out.splitlines() if line.startswith(("metrics", "confusion"))] for out in outputs]
+    assert lines[0] == lines[1] and len(lines[0]) == 2, outputs
+    assert lines[0][0].split()[-1] == "16.0"  # every validation image
+    confusion = torch.tensor([int(v) for v in lines[0][1].split()[1:]])
+    assert confusion.sum() > 16 * 64 * 64  # every scored pixel, at the masks' own sizes (64-96 px a side)
+
+
+def test_a_classification_set_is_refused_before_any_process_starts(shards, scenes, tmp_path):
+    recipe = seg_recipe(scenes, tmp_path / "run", tmp_path / "no_export")
+    recipe["data"] |= {"train": str(shards["train"]), "val": str(shards["val"])}
+    proc = launch(write_recipe(tmp_path / "seg.yaml", recipe), nproc=1)
+    assert proc.returncode == 2 and not (tmp_path / "run").exists(), proc.stdout[-3000:]
+    assert f"no segmentation entry in {shards['train'] / 'index.json'}" in proc.stdout
