@@ -13,12 +13,15 @@ Shapes: K classes, H/W a mask's size, h/w the image as the transform resized it,
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from core.engine.distributed import DistInfo, all_reduce
 from core.engine.precision import to_device
 from core.report.metrics import confusion_counts, segmentation_scores
+from core.report.pictures import class_colours, colour_mask, image_grid
 from data.segmentation import IGNORE_INDEX
 from finetune.evaluate import lockstep
 
@@ -33,7 +36,8 @@ def evaluate_segmentation(
     num_classes: int,
     crop: tuple[int, int],
     stride: tuple[int, int] | None = None,
-) -> tuple[dict[str, float], torch.Tensor]:
+    keep: int = 0,
+) -> SegResult:
     """Evaluate on every rank's share of the held-out set; collective: every rank must call it.
 
     Args:
@@ -45,29 +49,57 @@ def evaluate_segmentation(
         crop: The model's input size.
         stride: Slide the crop over the image at this stride; None: the image is the crop (whole-image mode).
 
+        keep: How many of this rank's first images to keep, with their prediction and mask (for pictures).
+
     Returns:
-        {"val/miou", "val/pixel_acc", "val/mean_acc", "val/images"} and the (K, K) confusion matrix summed over ranks
-        (rows true, columns predicted), on the CPU.
+        The metrics, the confusion matrix summed over ranks, and this rank's kept examples (see `SegResult`).
     """
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=dist.device)
     images = torch.zeros((), dtype=torch.float64, device=dist.device)
+    examples = []
     engine.eval()
     try:
-        for batch, real in lockstep(batches, dist):
-            batch = to_device(batch, dist.device, precision)
+        for raw, real in lockstep(batches, dist):
+            batch = to_device(raw, dist.device, precision)
             logits = predict(engine, batch["image"], crop, stride)  # (1, K, h, w)
             if real:  # a stand-in only keeps ZeRO-3 in step
                 target = batch["seg"]  # (1, H, W)
                 logits = F.interpolate(logits, target.shape[-2:], mode="bilinear", align_corners=False)
-                confusion += confusion_counts(logits.argmax(dim=1), target, num_classes, IGNORE_INDEX)
+                pred = logits.argmax(dim=1)  # (1, H, W)
+                confusion += confusion_counts(pred, target, num_classes, IGNORE_INDEX)
                 images += 1
+                if len(examples) < keep:
+                    examples.append((raw["image"][0], pred[0].cpu(), target[0].cpu()))
     finally:
         engine.train()
     confusion = all_reduce(confusion).cpu()
     scores = segmentation_scores(confusion)
     metrics = {"val/miou": scores["miou"], "val/pixel_acc": scores["pixel_acc"], "val/mean_acc": scores["mean_acc"]}
     metrics["val/images"] = float(all_reduce(images))
-    return metrics, confusion
+    return SegResult(metrics, confusion, examples)
+
+
+class SegResult(NamedTuple):
+    """What `evaluate_segmentation` found."""
+
+    metrics: dict[str, float]
+    """"val/miou", "val/pixel_acc", "val/mean_acc", "val/images": over every rank's images."""
+    confusion: torch.Tensor
+    """(K, K) int64 on the CPU, summed over ranks: rows true classes, columns predicted."""
+    examples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """This rank's first images: (3, h, w) uint8 as the model saw it, prediction and mask (H, W)."""
+
+
+def segmentation_picture(examples: list, num_classes: int, side: int = 96) -> torch.Tensor:
+    """image | prediction | ground truth, one row per example, each panel resized to side x side (nearest), the
+    classes colour-coded (`core.report.pictures.class_colours`; ignored pixels white): (3, H, W) float in [0, 1]."""
+    colours = class_colours(num_classes)
+    columns = [[], [], []]
+    for image, pred, target in examples:
+        panels = (image, colour_mask(pred, colours, IGNORE_INDEX), colour_mask(target, colours, IGNORE_INDEX))
+        for column, panel in zip(columns, panels, strict=True):
+            column.append(F.interpolate(panel[None].float(), (side, side), mode="nearest")[0] / 255)
+    return image_grid([torch.stack(c) for c in columns], ["image", "prediction", "ground truth"])
 
 
 def predict(engine, image: torch.Tensor, crop: tuple[int, int], stride: tuple[int, int] | None) -> torch.Tensor:

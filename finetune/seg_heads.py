@@ -7,8 +7,9 @@ convolutions, every level upsampled to the finest and fused by one 3x3 convoluti
 convolution is followed by BatchNorm and ReLU. The auxiliary FCN head classifies the stride-16 map on its own; its
 loss is added with weight 0.4 and it is not used for prediction.
 
-A plain ViT gives one stride-16 map at each depth; `ViTPyramid` brings four of them to strides 4, 8, 16 and 32
-(two 2x2 transposed convolutions, one, none, a 2x2 max-pool), as BEiT's segmentation backbone does.
+A plain ViT gives one map at its patch stride at each depth; `ViTPyramid` brings four of them to strides 4, 8, 16
+and 32 of the image (at patch 16: two 2x2 transposed convolutions, one, none, a 2x2 max-pool, as BEiT's
+segmentation backbone does).
 
 Shapes: B batch, D encoder width, C head width, K classes, h/w a level's map, H/W the input.
 """
@@ -28,26 +29,36 @@ def conv_bn_relu(in_channels: int, out_channels: int, kernel_size: int) -> nn.Se
 
 
 class ViTPyramid(nn.Module):
-    """Four maps of a plain ViT, all at the patch stride s, to strides s/4, s/2, s and 2s.
+    """Four maps of a plain ViT, all at its token stride, to strides 4, 8, 16 and 32 of the image.
+
+    Each level is scaled by (token stride) / (its stride): up by 2x2 transposed convolutions (two for 4x, with
+    BatchNorm and GELU between them, as BEiT's segmentation backbone does at patch 16), down by a max-pool, or kept.
+    At patch 16: up 4x, up 2x, as is, down 2x; at patch 4: as is, down 2x, 4x, 8x.
 
     Args:
         dim: The encoder width D (every output keeps it).
+        token_stride: Image pixels per token (the patch size; 16 for T2T-ViT and the hybrid).
     """
 
-    def __init__(self, dim: int):
+    STRIDES = (4, 8, 16, 32)
+
+    def __init__(self, dim: int, token_stride: int):
         super().__init__()
-        self.up4 = nn.Sequential(
-            nn.ConvTranspose2d(dim, dim, 2, stride=2),
-            nn.BatchNorm2d(dim),
-            nn.GELU(),
-            nn.ConvTranspose2d(dim, dim, 2, stride=2),
-        )
-        self.up2 = nn.ConvTranspose2d(dim, dim, 2, stride=2)
-        self.down2 = nn.MaxPool2d(2)
+        self.levels = nn.ModuleList(_rescale(dim, token_stride, stride) for stride in self.STRIDES)
 
     def forward(self, maps: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Four (B, D, h, w) -> (B, D, 4h, 4w), (B, D, 2h, 2w), (B, D, h, w), (B, D, h/2, w/2)."""
-        return [self.up4(maps[0]), self.up2(maps[1]), maps[2], self.down2(maps[3])]
+        """Four (B, D, h, w) at the token stride -> (B, D, H/4, W/4), (B, D, H/8, W/8), (B, D, H/16, W/16),
+        (B, D, H/32, W/32)."""
+        return [level(m) for level, m in zip(self.levels, maps, strict=True)]
+
+
+def _rescale(dim: int, token_stride: int, stride: int) -> nn.Module:
+    """The module that takes a map at `token_stride` to `stride` (both powers of two)."""
+    if token_stride >= stride:
+        ups = [nn.ConvTranspose2d(dim, dim, 2, stride=2) for _ in range((token_stride // stride).bit_length() - 1)]
+        between = [[up, nn.BatchNorm2d(dim), nn.GELU()] for up in ups[:-1]]
+        return nn.Sequential(*(m for part in between for m in part), *ups[-1:])  # empty: identity
+    return nn.MaxPool2d(stride // token_stride)
 
 
 class UperNetHead(nn.Module):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from timm.layers import freeze_batch_norm_2d
+from timm.layers import freeze_batch_norm_2d, to_2tuple
 from torch import nn
 
 from data.segmentation import IGNORE_INDEX
@@ -30,6 +30,12 @@ AUX_CHANNELS = 256  # the auxiliary FCN head's width (mmsegmentation's UperNet s
 def pyramid_blocks(depth: int) -> list[int]:
     """The 0-based indices of the four blocks UperNet reads: depth/3, depth/2, 2 depth/3 and depth (1-based)."""
     return [max(depth // 3, 1) - 1, max(depth // 2, 1) - 1, max(2 * depth // 3, 1) - 1, depth - 1]
+
+
+def token_stride(encoder: nn.Module) -> int:
+    """Image pixels per token of a ViT (its patch embedding's), hybrid (its stem's and patches') or T2T-ViT (16)."""
+    embed = getattr(encoder, "patch_embed", encoder)
+    return to_2tuple(embed.img_size)[0] // to_2tuple(embed.grid_size)[0]
 
 
 class SegmentationModel(nn.Module):
@@ -55,7 +61,7 @@ class SegmentationModel(nn.Module):
             getattr(encoder, name, nn.Identity()).requires_grad_(False)
         if head == "upernet":
             self.blocks = pyramid_blocks(depth)
-            self.neck = ViTPyramid(dim)
+            self.neck = ViTPyramid(dim, token_stride(encoder))
             self.head = UperNetHead([dim] * 4, channels, num_classes)
             self.aux_head = FCNHead(dim, AUX_CHANNELS, num_classes) if aux else None
         else:

@@ -27,12 +27,13 @@ from data.specs import resolve_shards, segmentation_info
 from finetune.best import finish_with_export
 from finetune.evaluate import markdown_table
 from finetune.handoff import hand_off
-from finetune.seg_evaluate import evaluate_segmentation
+from finetune.seg_evaluate import evaluate_segmentation, segmentation_picture
 from finetune.seg_model import Segmentation, SegmentationModel
 
 HEAD_FILE = "seg_head.safetensors"
 """The export's neck and head weights (the encoder's are timm's `model.safetensors`)."""
 ENCODER_PREFIX = "encoder."
+PICTURE_ROWS = 4  # validation images in TensorBoard's `val/segmentation` (image | prediction | ground truth)
 
 
 def main_segmentation(run: StageRun) -> int:
@@ -61,11 +62,17 @@ def main_segmentation(run: StageRun) -> int:
 
 def build_objective(cfg: Config, run: StageRun, num_classes: int) -> Segmentation:
     """The encoder after the hand-off (no classifier; position embeddings resized to the crop) under a fresh head."""
-    encoder = build_model(cfg, num_classes=0, plain=True)
+    encoder = build_model(encoder_config(cfg), num_classes=0, plain=True)
     hand_off(encoder, run)
     o = cfg.objective
     model = SegmentationModel(encoder, o.head, num_classes, channels=o.channels, aux=o.aux_weight > 0)
     return Segmentation(model, aux_weight=o.aux_weight, freeze_encoder=o.freeze_encoder)
+
+
+def encoder_config(cfg: Config) -> Config:
+    """The recipe with `model.global_pool: token`: no head pools here, and the class-token layout keeps the encoder's
+    final norm as `norm` (the linear head reads it), where average pooling would move it to `fc_norm`."""
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"global_pool": "token"})})
 
 
 class SegEvaluation:
@@ -89,10 +96,12 @@ class SegEvaluation:
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluate (collective), report, and export on a new best mIoU."""
         run = self.run
-        metrics, confusion = evaluate_segmentation(
+        metrics, confusion, examples = evaluate_segmentation(
             self.engine, self._loader(), dist=run.dist, precision=run.cfg.engine.precision,
-            num_classes=self.num_classes, crop=self.crop, stride=self.stride,
+            num_classes=self.num_classes, crop=self.crop, stride=self.stride, keep=PICTURE_ROWS,
         )  # fmt: skip
+        if examples:  # rank 0's logger writes
+            run.logger.image("val/segmentation", step, segmentation_picture(examples, self.num_classes))
         run.logger.console(
             f"[mimpipe] step {step} eval: mIoU {metrics['val/miou']:.4f}  pixel acc {metrics['val/pixel_acc']:.4f}  "
             f"mean acc {metrics['val/mean_acc']:.4f}  ({int(metrics['val/images'])} images)"
@@ -130,7 +139,7 @@ class SegEvaluation:
         }  # fmt: skip
         out = run.run_dir / "export"
         export_state_dict(
-            cfg, encoder, out, num_classes=0, manifest=manifest,
+            encoder_config(cfg), encoder, out, num_classes=0, manifest=manifest,
             extra_files={HEAD_FILE: lambda path: safetensors.torch.save_file(head, str(path))},
         )  # fmt: skip
 

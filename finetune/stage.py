@@ -1,6 +1,6 @@
 """The fine-tuning stage, as `python -m finetune` runs it (finetune/__main__.py): hand-off from any accepted checkpoint,
 classification training (full fine-tuning, linear probe, or DeiT distillation), exactly-once evaluation, export of
-the best checkpoint; semantic segmentation (finetune/segment.py); or `convert SRC DST`."""
+the best checkpoint; semantic segmentation (finetune/segment.py); or `convert SRC DST`, `predict EXPORT ...`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.convert import main as convert_main
 
         return convert_main(argv[1:])
+    if argv[:1] == ["predict"]:
+        from finetune.predict import main as predict_main
+
+        return predict_main(argv[1:])
 
     # Config (pooling from the checkpoint's hint unless the recipe says), distributed init, run dir, resume point
     run = start_stage("python -m finetune", argv, resolve=resolve_global_pool)

@@ -305,3 +305,22 @@ def bar_chart_origin() -> tuple[int, int]:
 
 def _short_number(value: float) -> str:
     return f"{value:.3g}" if value < 10 or value >= 1e6 else f"{value:.0f}"
+
+
+def class_colours(num_classes: int) -> torch.Tensor:
+    """(K + 1, 3) uint8: Pascal VOC's colour map, the usual one of segmentation masks (bit 3 j + c of the id becomes
+    bit 7 - j of channel c: 0 black, 1 dark red, 2 dark green, 3 olive, ...), distinct for ids below 256 (larger ids
+    repeat id mod 256); the last row, white, which no id gets, is for ignored pixels."""
+    ids = np.arange(num_classes) % 256
+    rgb = np.zeros((num_classes, 3), dtype=np.uint8)
+    for j in range(3):  # an id below 256 has 8 bits: j = 0, 1, 2 takes them all
+        for channel in range(3):
+            rgb[:, channel] |= (((ids >> (3 * j + channel)) & 1) << (7 - j)).astype(np.uint8)
+    return torch.from_numpy(np.concatenate([rgb, np.full((1, 3), 255, dtype=np.uint8)]))
+
+
+def colour_mask(ids: torch.Tensor, colours: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """(H, W) class ids -> (3, H, W) uint8 by `class_colours`; `ignore_index` (and any id out of range) is white."""
+    ids = ids.long().cpu()
+    ids = torch.where((ids < 0) | (ids >= len(colours) - 1) | (ids == ignore_index), len(colours) - 1, ids)
+    return colours[ids].permute(2, 0, 1)

@@ -37,7 +37,7 @@ def main() -> None:
         rank=info.rank, world_size=info.world_size, num_workers=1, labels=False,
     )  # fmt: skip
     stride = (20, 20) if mode == "slide" else None
-    metrics, confusion = evaluate_segmentation(
+    metrics, confusion, _ = evaluate_segmentation(
         objective, loader, dist=info, precision="fp32", num_classes=11, crop=CROP, stride=stride
     )
     if info.rank == 0:

@@ -4,15 +4,22 @@ evaluation's mIoU at 1 and 2 ranks (torchrun, gloo)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import safetensors.torch
 import timm
 import torch
+from PIL import Image
 
+from core.report.metrics import confusion_counts, segmentation_scores
 from data.__main__ import main as data_main
+from data.index import shard_samples
+from data.segmentation import IGNORE_INDEX, SEG_FIELD, decode_mask
 from tests.helpers.datasets import needs_fashion_mnist
-from tests.launching import TINY_MODEL, launch, read_metrics, torchrun, write_recipe
+from tests.launching import REPO, TINY_MODEL, launch, read_metrics, torchrun, write_recipe
 
 pytestmark = [pytest.mark.dist, needs_fashion_mnist]
 
@@ -72,6 +79,21 @@ def test_upernet_finetunes_from_an_mae_export_and_exports_encoder_and_head(zero2
     head = safetensors.torch.load_file(str(export / "seg_head.safetensors"))
     assert head["head.classifier.weight"].shape == (11, 16, 1, 1) and "aux_head.classifier.weight" in head
     assert not any(k.startswith("encoder.") for k in head)
+
+    # predict: the export's masks of the validation images score what the run's evaluation scored (it ran in bf16)
+    cmd = [sys.executable, "-m", "finetune", "predict", str(export), "--images", str(scenes / "val"), "--out",
+           str(tmp_path / "masks")]  # fmt: skip
+    assert subprocess.run(cmd, cwd=REPO, capture_output=True, text=True).returncode == 0
+    confusion = torch.zeros(11, 11, dtype=torch.int64)
+    for shard in sorted((scenes / "val").glob("*.tar")):
+        for sample in shard_samples(str(shard), frozenset({SEG_FIELD})):
+            with Image.open(tmp_path / "masks" / f"{sample['__key__']}.png") as mask:
+                assert mask.mode == "P"  # class ids, shown in colour
+                predicted = torch.from_numpy(np.array(mask))
+            truth = torch.from_numpy(decode_mask(sample[SEG_FIELD]))
+            confusion += confusion_counts(predicted, truth, 11, IGNORE_INDEX)
+    assert segmentation_scores(confusion)["miou"] == pytest.approx(best["val/miou"], abs=0.02)
+    assert json.loads((tmp_path / "masks" / "classes.json").read_text())[0]["name"] == "background"
 
 
 @pytest.mark.parametrize("mode", ["whole", "slide"])

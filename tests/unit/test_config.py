@@ -43,6 +43,9 @@ PUBLISHED = {
     "quickstart_distill": (("finetune", "tiny", 28, 4, "classification"), 128, 5e-3 * 128 / 256, 1, (1000, 50)),
     "quickstart_finetune": (("finetune", "tiny", 28, 4, "classification"), 128, 5e-3 * 128 / 256, 1, (1000, 50)),
     "quickstart_finetune_full": (("finetune", "tiny", 32, 4, "classification"), 64, 8e-3 * 64 / 256, 1, (2000, 100)),
+    "quickstart_seg": (("finetune", "tiny", 64, 4, "segmentation"), 32, 4e-3 * 32 / 256, 1, (600, 50)),
+    "seg_upernet_vitb_ade20k": (("finetune", "base", 512, 16, "segmentation"), 16, 1e-4, 1, (160000, 1500)),
+    "seg_linear_vitb_ade20k": (("finetune", "base", 512, 16, "segmentation"), 16, 1e-3, 1, (40000, 1500)),
     "quickstart_linprobe": (("finetune", "tiny", 28, 4, "classification"), 256, 0.1, 1, (500, 50)),
     "quickstart_mpp": (("pretrain", "tiny", 28, 4, "beit"), 256, 1.5e-3, 1, (350, 35)),
     "quickstart_tokenizer": (("tokenizer", "base", 224, 16, "vqvae"), 128, 2e-3, 1, (500, 25)),  # model unused
@@ -71,6 +74,23 @@ VARIANT = {
     "quickstart_distill": {"distill.kind": "hard", "model.global_pool": "token"},
     "quickstart_finetune": {"model.global_pool": "avg", "optim.layer_decay": 0.85, "augment.re_prob": 0.1},
     "quickstart_finetune_full": {"optim.layer_decay": 0.75, "augment.mixup": 0.8, "augment.cutmix": 1.0},
+    "quickstart_seg": {"objective.head": "upernet", "objective.channels": 64, "optim.layer_decay": 0.75},
+    "seg_upernet_vitb_ade20k": {
+        "objective.head": "upernet",
+        "objective.channels": 768,
+        "objective.aux_weight": 0.4,
+        "objective.eval_mode": "slide",
+        "objective.eval_stride": 341,
+        "objective.base_size": 512,
+        "optim.layer_decay": 0.65,
+        "optim.weight_decay": 0.05,
+        "model.drop_path_rate": 0.1,
+    },  # fmt: skip
+    "seg_linear_vitb_ade20k": {
+        "objective.head": "linear",
+        "objective.freeze_encoder": True,
+        "objective.aux_weight": 0.0,
+    },
     "quickstart_linprobe": {"objective.mode": "linear_probe", "optim.kind": "lars", "model.global_pool": "token"},
     "quickstart_mpp": {"objective.target.kind": "mean_color_3bit", "objective.corruption": "mixed"},
     "quickstart_tokenizer": {"objective.img_size": 28, "objective.downsample": 4, "objective.codebook_size": 256},

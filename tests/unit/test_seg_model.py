@@ -8,12 +8,15 @@ import torch
 import torch.nn.functional as F
 from timm.optim import param_groups_layer_decay
 
+from core.engine.distributed import DistInfo
 from core.models.t2t_vit import T2TViT
 from core.models.vit import build_vit
+from core.report.pictures import class_colours, colour_mask
+from data.device import normalisation
 from data.segmentation import IGNORE_INDEX
-from finetune.seg_evaluate import predict, window_boxes
+from finetune.seg_evaluate import evaluate_segmentation, predict, segmentation_picture, window_boxes
 from finetune.seg_heads import ViTPyramid
-from finetune.seg_model import Segmentation, SegmentationModel, pyramid_blocks
+from finetune.seg_model import Segmentation, SegmentationModel, pyramid_blocks, token_stride
 
 K = 5
 
@@ -28,10 +31,20 @@ def test_pyramid_reads_blocks_4_6_8_12_of_a_depth_12_vit():
     assert pyramid_blocks(2) == [0, 0, 0, 1]
 
 
-def test_vit_pyramid_gives_strides_4_8_16_32_of_a_stride_16_grid():
-    maps = [torch.randn(2, 8, 14, 14) for _ in range(4)]
-    assert [tuple(m.shape) for m in ViTPyramid(8)(maps)] == [(2, 8, 56, 56), (2, 8, 28, 28), (2, 8, 14, 14),
-                                                              (2, 8, 7, 7)]  # fmt: skip
+@pytest.mark.parametrize(("patch", "grid"), [(16, 14), (4, 56), (8, 28)])
+def test_vit_pyramid_gives_strides_4_8_16_32_of_the_image_whatever_the_patch(patch, grid):
+    maps = [torch.randn(2, 8, grid, grid) for _ in range(4)]
+    shapes = [tuple(m.shape) for m in ViTPyramid(8, patch)(maps)]
+    assert shapes == [(2, 8, 56, 56), (2, 8, 28, 28), (2, 8, 14, 14), (2, 8, 7, 7)]  # a 224 px image
+
+
+def test_token_stride_of_each_encoder():
+    assert token_stride(tiny_vit()) == 4
+    t2t = T2TViT(img_size=64, num_classes=0, embed_dim=32, depth=1, num_heads=2, token_dim=8, t2t_kind="transformer")
+    assert token_stride(t2t) == 16
+    hybrid = build_vit("tiny", img_size=64, patch_size=1, num_classes=0, hybrid_backbone="resnet_stem", embed_dim=32,
+                       depth=1, num_heads=2)  # fmt: skip
+    assert token_stride(hybrid) == 4
 
 
 @pytest.mark.parametrize("head", ["upernet", "linear"])
@@ -89,7 +102,7 @@ def test_layer_decay_scales_the_encoder_by_depth_and_leaves_the_heads_at_the_ful
     )
     names = {id(p): name for name, p in objective.named_parameters()}
     scale = {names[id(p)]: g["lr_scale"] for g in groups for p in g["params"]}
-    assert scale["model.head.classifier.weight"] == scale["model.neck.up2.weight"] == 1.0
+    assert scale["model.head.classifier.weight"] == scale["model.aux_head.conv.0.weight"] == 1.0
     assert scale["model.encoder.blocks.3.attn.qkv.weight"] == 0.5  # 4 blocks: block 3 is one layer below the top
     assert scale["model.encoder.patch_embed.proj.weight"] == 0.5**5
     no_decay = {names[id(p)] for g in groups if g["weight_decay"] == 0 for p in g["params"]}
@@ -122,3 +135,55 @@ def test_sliding_prediction_of_a_per_pixel_model_equals_its_whole_image_predicti
     assert slid.shape == (1, K, 13, 22) and torch.allclose(slid, whole, atol=1e-6)
     small = torch.randn(1, 3, 5, 6)  # smaller than the crop: padded, then cut back
     assert torch.allclose(predict(model, small, (8, 8), (5, 5)), model({"image": small})["logits"], atol=1e-6)
+
+
+class _ColourEngine:
+    """Stands in for the engine: class k wherever the image's red channel is the highest, 0 elsewhere (logits from
+    the pixels alone, so any window gives the same)."""
+
+    def __init__(self):
+        self.training = True
+
+    def __call__(self, batch):
+        red = batch["image"][:, :1]  # (N, 1, h, w)
+        return {"logits": torch.cat([-red, red, torch.zeros_like(red)], dim=1)}
+
+    def eval(self):
+        self.training = False
+
+    def train(self):
+        self.training = True
+
+
+def test_evaluation_scores_every_pixel_at_the_masks_size_and_keeps_examples_for_the_picture():
+    """An 8x8 image, red on its left half, scored against an 8x8 mask and a 16x16 one (logits resized to it)."""
+    dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    image = torch.zeros(1, 3, 8, 8, dtype=torch.uint8)
+    image[:, 0, :, :4] = 255
+    same = torch.zeros(1, 8, 8, dtype=torch.int64)
+    same[:, :, :4] = 1
+    larger = torch.full((1, 16, 16), 2, dtype=torch.int64)  # class 2: never predicted
+    same[:, 0, 0] = larger[:, 0, 0] = IGNORE_INDEX
+    unit = normalisation((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))  # x / 255
+    batches = [{"image": image, "seg": seg, "normalise": {"image": unit}} for seg in (same, larger)]
+    result = evaluate_segmentation(
+        _ColourEngine(), batches, dist=dist, precision="fp32", num_classes=3, crop=(8, 8), keep=1
+    )
+    assert result.metrics["val/images"] == 2.0
+    # 8x8: exact. 16x16: the bilinear resize keeps red (class 1) over columns 0-8 (144 pixels less the ignored
+    # one), ties at 0 go to class 0 (112).
+    assert result.confusion.tolist() == [[32, 0, 0], [0, 31, 0], [112, 143, 0]]
+    assert result.metrics["val/miou"] == pytest.approx((32 / 144 + 31 / 174 + 0 / 255) / 3)  # TP / union
+    assert len(result.examples) == 1 and result.examples[0][0].dtype == torch.uint8
+    picture = segmentation_picture(result.examples, 3)
+    assert picture.shape[0] == 3 and picture.min() >= 0.0 and picture.max() <= 1.0
+
+
+def test_class_colours_are_distinct_and_ignored_pixels_white():
+    colours = class_colours(150)
+    assert colours.shape == (151, 3) and len({tuple(c) for c in colours.tolist()}) == 151
+    assert colours[-1].tolist() == [255, 255, 255]
+    ids = torch.tensor([[0, 1], [IGNORE_INDEX, 7]])
+    painted = colour_mask(ids, class_colours(3), IGNORE_INDEX)
+    assert painted[:, 1, 0].tolist() == painted[:, 1, 1].tolist() == [255, 255, 255]  # ignored, out of range
+    assert painted[:, 0, 0].tolist() == class_colours(3)[0].tolist()
