@@ -73,9 +73,10 @@ def segfolder(root: str, split: str, *, reduce_zero_label: bool = True) -> tuple
 def fashion_mnist_scenes(path: str | None, split: str, num_samples: int, seed: int) -> tuple[Source, SegInfo]:
     """Scenes of 2 to 4 Fashion-MNIST garments on a noisy canvas of 64 to 96 pixels a side, with their masks.
 
-    Each garment is scaled to 24-48 px, tinted, and pasted at a random place (later ones cover earlier ones); the mask
-    gives each of its own pixels (its intensity above a threshold) the class 1 + its Fashion-MNIST label, and the
-    canvas 0. Sample i depends only on (seed, split, i).
+    Each garment is scaled to 24-48 px, dimmed by up to 55% and pasted at a random place (later ones cover earlier
+    ones), grey as Fashion-MNIST is, on a dark grey noisy canvas; the mask gives each of its own pixels (its intensity
+    above a threshold) the class 1 + its Fashion-MNIST label, and the canvas 0. Sample i depends only on
+    (seed, split, i).
 
     Args:
         path: Fashion-MNIST's IDX folder; None for the default.
@@ -102,9 +103,9 @@ def fashion_mnist_scenes(path: str | None, split: str, num_samples: int, seed: i
 def _draw_scene(rng: np.random.Generator, garments: Source) -> tuple[Image.Image, Image.Image, list[list[int]]]:
     """One scene: RGB canvas, mask of class ids, and per garment [Fashion-MNIST index, label, x, y, side]."""
     height, width = (int(side) for side in rng.integers(64, 97, size=2))
-    background = rng.integers(0, 70, size=3)
-    noise = rng.integers(-12, 13, size=(height, width, 3))
-    canvas = np.clip(background + noise, 0, 255)  # (H, W, 3)
+    background = rng.integers(0, 70)
+    noise = rng.integers(-12, 13, size=(height, width, 1))
+    canvas = np.clip(background + noise, 0, 255).repeat(3, axis=2)  # (H, W, 3), grey as Fashion-MNIST is
     mask = np.zeros((height, width), dtype=np.uint8)
     placed = []
     for _ in range(int(rng.integers(2, 5))):
@@ -113,10 +114,10 @@ def _draw_scene(rng: np.random.Generator, garments: Source) -> tuple[Image.Image
         side = int(rng.integers(24, 49))
         intensity = np.asarray(sample.image.resize((side, side), Image.Resampling.BILINEAR), dtype=np.float64)
         own = intensity > _GARMENT_THRESHOLD  # (side, side) the garment's own pixels
-        tint = rng.uniform(0.45, 1.0, size=3)
+        gain = rng.uniform(0.45, 1.0)
         y, x = int(rng.integers(0, height - side + 1)), int(rng.integers(0, width - side + 1))
         region = canvas[y : y + side, x : x + side]
-        region[own] = (intensity[own, None] * tint).round()
+        region[own] = (intensity[own, None] * gain).round()
         mask[y : y + side, x : x + side][own] = 1 + sample.label
         placed.append([index, sample.label, x, y, side])
     return Image.fromarray(canvas.astype(np.uint8)), Image.fromarray(mask), placed
