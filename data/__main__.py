@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     write = commands.add_parser("write", help="write a labelled image source as WebDataset shards")
     write.add_argument("--source", required=True, choices=SOURCES)
     write.add_argument("--out", required=True, help="output directory (new or without shards/index)")
-    write.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="samples per shard")
+    write.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="samples per shard (default 1000)")
     write.add_argument("--split", default="train", help="split name: shard prefix and key prefix")
     write.add_argument("--path", help="fashion-mnist IDX directory, imagefolder root or segfolder (ADE20K) root")
     write.add_argument("--limit", type=int, help="write only the first N samples of the order (a random subset)")

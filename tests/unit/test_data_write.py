@@ -230,3 +230,9 @@ def test_sources_load_samples_only_when_reached(tmp_path):
     assert loaded == []
     assert next(samples).key == "train_00000004" and loaded == [4]
     assert [s.label for s in samples] == [0, 1] and loaded == [4, 0, 5]
+
+
+def test_shard_size_defaults_to_a_thousand_samples(tmp_path):
+    main(["write", "--source", "synthetic", "--num-samples", "1500", "--image-size", "4", "--out", str(tmp_path)])
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert [shard["num_samples"] for shard in index["shards"]] == [1000, 500]
