@@ -169,17 +169,21 @@ def check_export(export_dir: Path, cfg: Config, num_classes: int) -> dict:
     model = timm.create_model(f"local-dir:{export_dir}", pretrained=False)
     model.load_state_dict(safetensors.torch.load_file(export_dir / "model.safetensors"), strict=True)
     state = model.state_dict()
-    want = _expected_shapes(cfg, num_classes if cfg.stage == "finetune" else 0)
+    classifier = cfg.stage == "finetune" and cfg.objective.kind == "classification"
+    want = _expected_shapes(cfg, num_classes if classifier else 0)  # a segmentation export's encoder has no head
     shapes = {key: list(state[key].shape) if key in state else None for key in want}
     problems = [f"{key}: export {shapes[key]}, recipe {shape}" for key, shape in want.items() if shapes[key] != shape]
+    if cfg.objective.kind == "segmentation":
+        head = export_dir / "seg_head.safetensors"
+        problems += [] if head.is_file() else [f"no {head.name} beside the encoder"]
     num_params = sum(p.numel() for p in model.parameters())
     loader = f"timm.create_model('local-dir:...') + load_state_dict(strict=True): {type(model).__name__}"
     return {"loader": loader, "num_params": num_params, "shapes": shapes, "problems": problems}
 
 
 def parameter_counts(cfg: Config, num_classes: int) -> tuple[int, int]:
-    """(all, trained) parameters of what the stage's process trains (a fine-tuned model with a `num_classes` head),
-    counted on the meta device."""
+    """(all, trained) parameters of what the stage's process trains (a fine-tuned model with a `num_classes` head, a
+    segmentation model with `num_classes` outputs), counted on the meta device."""
     import torch
 
     if cfg.stage == "tokenizer":
@@ -190,6 +194,15 @@ def parameter_counts(cfg: Config, num_classes: int) -> tuple[int, int]:
         from pretrain.objectives import objective_builder
 
         build = objective_builder(cfg)  # a tokenizer target is loaded here, outside the meta device
+    elif cfg.objective.kind == "segmentation":
+        from core.models.build import build_model
+        from finetune.seg_model import Segmentation, SegmentationModel
+        from finetune.segment import encoder_config
+
+        def build():
+            o, encoder = cfg.objective, build_model(encoder_config(cfg), plain=True)
+            model = SegmentationModel(encoder, o.head, num_classes, channels=o.channels, aux=o.aux_weight > 0)
+            return Segmentation(model, freeze_encoder=o.freeze_encoder)
     else:
         from core.models.build import build_model
         from finetune.probe_ema import make_linear_probe

@@ -38,6 +38,8 @@ from PIL import Image, ImageDraw
 from benchmarks.smoke_measure import check_export, estimated_peak_gib, last_step_seconds, launch, read_metrics
 from core.models.vit import VIT_SIZES
 from core.recipe.config import Config, load_config
+from data.segmentation import IGNORE_INDEX, SegInfo
+from data.sources import Sample
 from data.write import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +49,9 @@ RESULTS = REPO / "benchmarks" / "results" / "smoke_recipes.md"
 # (width, height) of the generated JPEGs: ImageNet's most common sizes, landscape and portrait, and a large one.
 IMAGE_SIZES = ((500, 375), (375, 500), (500, 333), (333, 500), (640, 480), (500, 500), (800, 600))
 NUM_CLASSES = 1000  # ImageNet-1k's head, so the fine-tuned parameter counts are the published ones
+# (width, height) of the segmentation JPEGs: ADE20K's typical shapes (short side 512 and less), and its 150 classes.
+SEG_IMAGE_SIZES = ((683, 512), (512, 683), (640, 427), (512, 512))
+SEG_NUM_CLASSES = 150
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ CHAINS: dict[str, tuple[Stage, ...]] = {
         Stage("mae_vitb"),
         Stage("finetune_vitb", takes=(("model.init", "mae_vitb"),)),
         Stage("finetune_deit_distill", takes=(("model.init", "mae_vitb"), ("distill.teacher", "finetune_vitb"))),
+        Stage("seg_upernet_vitb_ade20k", takes=(("model.init", "mae_vitb"),)),
+        Stage("seg_linear_vitb_ade20k", takes=(("model.init", "mae_vitb"),)),
     ),
     "beit_vitb": (
         Stage("tokenizer_in1k"),
@@ -168,6 +175,39 @@ def write_jpeg_shards(root: Path, *, num_train: int = 48, num_val: int = 16, sha
                 yield f"{split}_{i:06d}", jpeg, label, {"label": label}
 
         write_shards(samples(), str(out[split]), shard_size=shard_size, split=split, classes=classes, source="smoke")
+    return out | write_seg_shards(root)
+
+
+def write_seg_shards(root: Path, *, num_train: int = 8, num_val: int = 2) -> dict[str, Path]:
+    """Segmentation shards of ADE20K's kind: JPEGs of `SEG_IMAGE_SIZES` with masks of its 150 classes (shapes of a
+    few classes on a class-0 ground, some pixels ignored), one shard per 2 samples.
+
+    Returns:
+        {"seg_train": dir, "seg_val": dir}; a split whose index.json is already there is kept.
+    """
+    out = {}
+    for split, count, seed in (("train", num_train, 2), ("val", num_val, 3)):
+        out[f"seg_{split}"] = directory = root / f"seg_{split}"
+        if (directory / "index.json").is_file():
+            continue
+        rng = np.random.default_rng(seed)
+
+        def samples(count=count, rng=rng, split=split):
+            for i in range(count):
+                size = SEG_IMAGE_SIZES[i % len(SEG_IMAGE_SIZES)]
+                mask = Image.new("L", size, 0)
+                draw = ImageDraw.Draw(mask)
+                for _ in range(4):
+                    x0, y0 = rng.uniform(0, 0.7) * size[0], rng.uniform(0, 0.7) * size[1]
+                    box = (x0, y0, x0 + rng.uniform(0.1, 0.3) * size[0], y0 + rng.uniform(0.1, 0.3) * size[1])
+                    draw.rectangle(box, fill=int(rng.integers(1, SEG_NUM_CLASSES)))
+                draw.rectangle((0, 0, size[0] // 10, size[1] // 10), fill=IGNORE_INDEX)
+                yield Sample(f"{split}_{i:06d}", _draw(rng, i, size), None, {}, mask)
+
+        write_shards(
+            samples(), str(directory), shard_size=2, split=split, classes=[], source="smoke",
+            segmentation=SegInfo(SEG_NUM_CLASSES, True),
+        )  # fmt: skip
     return out
 
 
@@ -189,7 +229,9 @@ def stage_overrides(
         "schedule.warmup_steps=1",
         "logging.every_steps=1",
     ]
-    if cfg.stage == "finetune":
+    if cfg.objective.kind == "segmentation":
+        overrides[1:2] = [f"data.train={shards['seg_train']}", f"data.val={shards['seg_val']}"]
+    elif cfg.stage == "finetune":
         overrides.append(f"data.val={shards['val']}")
     overrides += [f"{key}={exports[name]}" for key, name in stage.takes]
     return overrides + list(stage.settings)
@@ -323,7 +365,8 @@ def render(results: list[StageResult], argv: list[str]) -> str:
         f"python {platform.python_version()}",
         f"- command: `{' '.join(['python', '-m', 'benchmarks.smoke_recipes', *argv])}`",
         "- each stage: `./launch.sh RECIPE` with 1 process, global batch 2, 2 steps (1 warmup), 1 data worker, on "
-        f"224 px JPEG shards ({NUM_CLASSES} classes); everything else as the recipe says",
+        f"224 px JPEG shards ({NUM_CLASSES} classes; segmentation: ADE20K-shaped JPEGs with masks of "
+        f"{SEG_NUM_CLASSES} classes); everything else as the recipe says",
         "- s/step: the second step, without the pictures drawn after the first; peak RSS: the largest process's, the "
         "rank's (the kernel's VmHWM, the whole run long, checkpoint and export included; its data worker is forked "
         "from it and shares its pages); wall: the whole launch; others' load: share of the machine's CPU time other "
