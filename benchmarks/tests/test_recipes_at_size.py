@@ -95,7 +95,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 @pytest.mark.parametrize("name", CHAINS)
 def test_each_stage_overrides_only_data_length_batch_workers_logging_and_its_hand_off(name, tmp_path):
-    shards = {"train": tmp_path / "train", "val": tmp_path / "val"}
+    shards = {split: tmp_path / split for split in ("train", "val", "seg_train", "seg_val")}
     exports = {stage.recipe: tmp_path / stage.recipe / "export" for stage in CHAINS[name]}
     allowed = {"run_dir", "data.train", "data.val", "data.global_batch_size", "data.num_workers", "logging.every_steps"}
     for stage in CHAINS[name]:
