@@ -109,13 +109,16 @@ class SegEvalTransform:
     def __call__(self, image: Image.Image, seg: np.ndarray) -> dict[str, torch.Tensor]:
         """{"image": (3, h, w) uint8, "seg": (H, W) int64}."""
         pixels, mask = _pair(image, seg)
+        return {"image": self.resize(pixels), "seg": mask[0].long()}
+
+    def resize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(3, H, W) uint8 -> (3, h, w) uint8, the image as the model sees it (a mask needs none of this)."""
         if self.mode == "whole":
             size = list(self.crop)
         else:
             factor = self.base_size / min(pixels.shape[-2:])
             size = [max(1, round(side * factor)) for side in pixels.shape[-2:]]
-        pixels = F2.resize(pixels, size, InterpolationMode.BILINEAR, antialias=True)
-        return {"image": pixels.contiguous(), "seg": mask[0].long()}
+        return F2.resize(pixels, size, InterpolationMode.BILINEAR, antialias=True).contiguous()
 
 
 def photometric_jitter(pixels: torch.Tensor) -> torch.Tensor:

@@ -147,11 +147,16 @@ def dataset_classes(spec: str | list[str] | list[Any]) -> list[str]:
                     "labels would mean different things"
                 )
         return listed[0][1] if listed else []
+    return list(split_index(spec)[1].get("classes") or [])
+
+
+def split_index(spec: str | list[str]) -> tuple[str, dict[str, Any]]:
+    """The path of the index.json of a split (in the spec's folder, else beside its first shard) and its contents,
+    {} when there is none."""
     is_folder = isinstance(spec, str) and os.path.isdir(spec)
     directory = spec if is_folder else os.path.dirname(resolve_shards(spec)[0])
-    if not os.path.isfile(os.path.join(directory, INDEX_FILE)):
-        return []
-    return list(read_index(directory).get("classes") or [])
+    path = os.path.join(directory, INDEX_FILE)
+    return path, read_index(directory) if os.path.isfile(path) else {}
 
 
 def segmentation_info(spec: str | list[str] | list[Any]) -> dict[str, Any]:
@@ -161,14 +166,12 @@ def segmentation_info(spec: str | list[str] | list[Any]) -> dict[str, Any]:
     Raises:
         ValueError: Naming the spec, when it has no index.json or its index describes no segmentation set.
     """
-    shards = resolve_shards(spec)
-    directory = spec if isinstance(spec, str) and os.path.isdir(spec) else os.path.dirname(shards[0])
-    index = read_index(directory) if os.path.isfile(os.path.join(directory, INDEX_FILE)) else {}
+    path, index = split_index(spec)
     info = index.get("segmentation")
     if not info:
         raise ValueError(
-            f"{describe_shards(shards)}: no segmentation entry in {os.path.join(directory, INDEX_FILE)}; segmentation "
-            "trains on shards with a mask per image (python -m data write --source segfolder or fashion-mnist-scenes)"
+            f"{describe_shards(resolve_shards(spec))}: no segmentation entry in {path}; segmentation trains on "
+            "shards with a mask per image (python -m data write --source segfolder or fashion-mnist-scenes)"
         )
     classes = list(index.get("classes") or []) or [f"class_{k}" for k in range(info["num_classes"])]
     return {"num_classes": info["num_classes"], "ignore_index": info["ignore_index"], "classes": classes}

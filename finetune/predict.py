@@ -96,8 +96,8 @@ def write_masks(model: Segmentation, info: dict, config: dict, images: str, out:
     out.mkdir(parents=True, exist_ok=True)
     count = 0
     for name, image in _images(images):
-        empty = np.zeros((image.height, image.width), dtype=np.uint8)  # the transform's mask: unused here
-        pixels = transform(image, empty)["image"][None].to(device)  # (1, 3, h, w) uint8
+        pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # (3, H, W) uint8 over an (H, W, 3) buffer
+        pixels = transform.resize(pixels)[None].to(device)  # (1, 3, h, w) uint8
         logits = predict(model, normalise(pixels, affine), crop, stride)  # (1, K, h, w)
         logits = F.interpolate(logits, (image.height, image.width), mode="bilinear", align_corners=False)
         mask = Image.fromarray(logits.argmax(dim=1)[0].to(torch.uint8).cpu().numpy(), mode="P")

@@ -22,7 +22,7 @@ from core.recipe.config import Config
 from data.decode import image_field, read_label
 from data.index import shard_samples
 from data.segmentation import IGNORE_INDEX, SEG_FIELD
-from data.specs import INDEX_FILE, dataset_classes, read_index, resolve_shards, segmentation_info
+from data.specs import dataset_classes, resolve_shards, segmentation_info, split_index
 from finetune.teacher import teacher_is_folder
 
 LABEL_SAMPLES = 64
@@ -154,16 +154,12 @@ def check_label_range(cfg: Config, findings: Findings) -> None:
 
 def highest_label(spec, label_field: str | None) -> tuple[int, str] | None:
     """(the highest label of the split, where it was read), or None when there is nothing local to read."""
-    is_folder = isinstance(spec, str) and os.path.isdir(spec)
     shards = resolve_shards(spec)
-    folder = spec if is_folder else os.path.dirname(shards[0])
-    if os.path.isfile(os.path.join(folder, INDEX_FILE)):
-        index = read_index(folder)
-        counts = index.get("label_counts")
-        used = [label for label, count in enumerate(counts or []) if count]
-        if used or index.get("classes"):
-            listed = "label_counts" if used else "classes"
-            return (used[-1] if used else len(index["classes"]) - 1), f"{folder}/{INDEX_FILE} ({listed})"
+    path, index = split_index(spec)
+    used = [label for label, count in enumerate(index.get("label_counts") or []) if count]
+    if used or index.get("classes"):
+        listed = "label_counts" if used else "classes"
+        return (used[-1] if used else len(index["classes"]) - 1), f"{path} ({listed})"
     local = next((shard for shard in shards if os.path.isfile(shard)), None)
     if local is None:
         return None
