@@ -17,6 +17,7 @@ from core.engine.loop import LoopHooks
 from core.engine.run import run_loop, seed_everything, start_engine
 from core.engine.stage import StageRun
 from core.engine.stream import train_stream
+from core.engine.sync_batchnorm import synchronise_batchnorm
 from core.export.folder import export_state_dict
 from core.models.build import build_model
 from core.recipe.config import Config
@@ -61,11 +62,13 @@ def main_segmentation(run: StageRun) -> int:
 
 
 def build_objective(cfg: Config, run: StageRun, num_classes: int) -> Segmentation:
-    """The encoder after the hand-off (no classifier; position embeddings resized to the crop) under a fresh head."""
+    """The encoder after the hand-off (no classifier; position embeddings resized to the crop) under a fresh head,
+    its BatchNorm layers synchronised across ranks."""
     encoder = build_model(encoder_config(cfg), num_classes=0, plain=True)
     hand_off(encoder, run)
     o = cfg.objective
     model = SegmentationModel(encoder, o.head, num_classes, channels=o.channels, aux=o.aux_weight > 0)
+    synchronise_batchnorm(model)
     return Segmentation(model, aux_weight=o.aux_weight, freeze_encoder=o.freeze_encoder)
 
 
