@@ -18,6 +18,8 @@ SEG_FIELD = "seg.png"
 """The sample field of a mask (`key.seg.png` in the tar)."""
 IGNORE_INDEX = 255
 """The mask id of pixels that no loss or metric counts (unlabelled, padding)."""
+MAX_CLASSES = IGNORE_INDEX
+"""Class ids 0..254: masks are 8-bit PNGs and 255 is the ignored id."""
 MASK_MODES = ("L", "P")
 """PNG modes a mask may be stored in: 8-bit greyscale, or a palette whose indices are the class ids."""
 
@@ -29,6 +31,19 @@ class SegInfo(NamedTuple):
     """Class ids 0..num_classes-1; None: one more than the largest id the masks hold (found while writing)."""
     reduce_zero_label: bool
     """Whether the stored ids were shifted down by one, the source's 0 ("other") becoming `IGNORE_INDEX`."""
+
+
+def check_num_classes(num_classes: int | None, where: str) -> None:
+    """Refuses a class count that 8-bit masks cannot hold.
+
+    Raises:
+        ValueError: Naming `where` (the option, index or recipe key), for more than `MAX_CLASSES` classes.
+    """
+    if num_classes is not None and num_classes > MAX_CLASSES:
+        raise ValueError(
+            f"{where}: {num_classes} classes, but masks are 8-bit PNGs with {IGNORE_INDEX} as the ignored id, so at "
+            f"most {MAX_CLASSES} classes (ids 0-{MAX_CLASSES - 1})"
+        )
 
 
 def decode_mask(data: bytes) -> np.ndarray:

@@ -11,6 +11,7 @@ import os
 from typing import Any, NamedTuple
 
 from core.compat import webdataset as wds_compat
+from data.segmentation import check_num_classes
 
 INDEX_FILE = "index.json"
 """The file beside a split's shards that lists them with their sample counts (data/write.py writes it)."""
@@ -173,6 +174,7 @@ def segmentation_info(spec: str | list[str] | list[Any]) -> dict[str, Any]:
             f"{describe_shards(resolve_shards(spec))}: no segmentation entry in {path}; segmentation trains on "
             "shards with a mask per image (python -m data write --source segfolder or fashion-mnist-scenes)"
         )
+    check_num_classes(info["num_classes"], str(path))
     classes = list(index.get("classes") or []) or [f"class_{k}" for k in range(info["num_classes"])]
     return {"num_classes": info["num_classes"], "ignore_index": info["ignore_index"], "classes": classes}
 

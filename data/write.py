@@ -24,7 +24,7 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from data.segmentation import IGNORE_INDEX, SEG_FIELD, SegInfo
+from data.segmentation import IGNORE_INDEX, SEG_FIELD, SegInfo, check_num_classes
 from data.sources import Sample
 from data.specs import INDEX_FILE
 
@@ -93,6 +93,8 @@ def write_shards(
     """
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    if segmentation is not None:
+        check_num_classes(segmentation.num_classes or len(classes) or None, f"segmentation set {out_dir}")
     os.makedirs(out_dir, exist_ok=True)
     clashes = [n for n in os.listdir(out_dir) if n == INDEX_FILE or (n.startswith(f"{split}-") and n.endswith(".tar"))]
     if clashes:

@@ -18,7 +18,7 @@ from data.pipeline import MaskError, make_eval_loader, make_train_loader
 from data.seg_transforms import SegEvalTransform, SegTrainTransform
 from data.segmentation import IGNORE_INDEX, SEG_FIELD, decode_mask
 from data.sources import Sample
-from data.specs import read_index, resolve_shards
+from data.specs import read_index, resolve_shards, segmentation_info
 from data.write import write_shards
 from tests.helpers.datasets import needs_fashion_mnist
 
@@ -169,6 +169,22 @@ def test_write_refuses_masks_that_do_not_fit_their_image_or_the_classes(tmp_path
     index = write(Image.new("L", (4, 3), 255), "d")  # all ignored: fine
     assert index["segmentation"] == {"num_classes": 3, "ignore_index": 255, "reduce_zero_label": False}
     assert index["classes"] == ["class_0", "class_1", "class_2"]
+
+
+def test_more_classes_than_8_bit_masks_hold_are_refused_when_writing_and_reading(tmp_path):
+    ids = np.zeros((4, 6), dtype=np.uint8)
+    _ade_layout(tmp_path / "ade", {"a": (ids, (6, 4))})
+    args = ["write", "--source", "segfolder", "--path", str(tmp_path / "ade"), "--split", "train"]
+    with pytest.raises(ValueError, match=r"segmentation set .*/out: 256 classes, .* at most 255 classes \(ids 0-254\)"):
+        data_main([*args, "--out", str(tmp_path / "out"), "--num-classes", "256"])
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+    data_main([*args, "--out", str(tmp_path / "ok"), "--num-classes", "255"])
+    index = json.loads((tmp_path / "ok" / "index.json").read_text())
+    assert index["segmentation"]["num_classes"] == 255 and segmentation_info(str(tmp_path / "ok"))["num_classes"] == 255
+    index["segmentation"]["num_classes"] = 300  # an index edited by hand
+    (tmp_path / "ok" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"ok/index.json: 300 classes, but masks are 8-bit PNGs"):
+        segmentation_info(str(tmp_path / "ok"))
 
 
 @pytest.fixture(scope="module")
