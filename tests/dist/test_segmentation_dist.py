@@ -19,7 +19,7 @@ from data.__main__ import main as data_main
 from data.index import shard_samples
 from data.segmentation import IGNORE_INDEX, SEG_FIELD, decode_mask
 from tests.helpers.datasets import needs_fashion_mnist
-from tests.launching import REPO, TINY_MODEL, launch, read_metrics, torchrun, write_recipe
+from tests.launching import REPO, TINY_MODEL, assert_resume_repeats, launch, read_metrics, torchrun, write_recipe
 
 pytestmark = [pytest.mark.dist, needs_fashion_mnist]
 
@@ -113,3 +113,26 @@ def test_a_classification_set_is_refused_before_any_process_starts(shards, scene
     proc = launch(write_recipe(tmp_path / "seg.yaml", recipe), nproc=1)
     assert proc.returncode == 2 and not (tmp_path / "run").exists(), proc.stdout[-3000:]
     assert f"no segmentation entry in {shards['train'] / 'index.json'}" in proc.stdout
+
+
+def test_a_zero3_run_resumes_where_it_stopped_and_exports_whole_weights(zero2_run, scenes, tmp_path):
+    """ZeRO-3 partitions the encoder, neck and heads over 2 ranks; a resume from step 2 repeats steps 3-4 (losses and
+    the evaluation at step 4), and the export gathers every tensor whole."""
+    run_dir, _ = zero2_run
+    recipe = seg_recipe(scenes, tmp_path / "run", run_dir / "export")
+    recipe |= {"engine": {"device": "cpu", "zero_stage": 3}, "checkpoint": {"every_steps": 2}}
+    recipe["logging"] = {"every_steps": 1}
+    proc = launch(write_recipe(tmp_path / "seg.yaml", recipe))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert_resume_repeats(tmp_path / "run", tmp_path / "resumed", from_step=2, last_step=4)
+    miou = [
+        {m["step"]: m["val/miou"] for m in read_metrics(tmp_path / d) if "val/miou" in m} for d in ("run", "resumed")
+    ]
+    assert miou[1] == {4: miou[0][4]}
+
+    export = tmp_path / "run" / "export"
+    encoder = timm.create_model(f"local-dir:{export}", pretrained=True)  # strict: every tensor whole
+    assert encoder.pos_embed.shape == (1, 1 + 64, 32)
+    head = safetensors.torch.load_file(str(export / "seg_head.safetensors"))
+    assert head["head.classifier.weight"].shape == (11, 16, 1, 1)
+    assert head["head.fuse.1.running_var"].shape == (16,)
