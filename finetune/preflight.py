@@ -170,7 +170,7 @@ def highest_label(spec, label_field: str | None) -> tuple[int, str] | None:
 
 def describe_encoder(state: dict[str, torch.Tensor]) -> str:
     """The encoder a state dict holds, read from its shapes: 'ViT 768 wide, 12 blocks, patch 16x16', 'T2T-ViT 384
-    wide, 14 blocks' or 'VT-ResNet, tokens 1024 wide, 2 VT modules'."""
+    wide, 14 blocks', 'VT-ResNet, tokens 1024 wide, 2 VT modules' or 'ResNet, blocks 2-2-2-2, 512 channels'."""
     depth = len({key.split(".")[1] for key in state if key.startswith("blocks.")})
     if PATCH_KERNEL in state:  # a ViT or hybrid
         kernel = state[PATCH_KERNEL].shape  # (D, C, ph, pw)
@@ -178,5 +178,9 @@ def describe_encoder(state: dict[str, torch.Tensor]) -> str:
     if "tokens_to_token.project.weight" in state:
         return f"T2T-ViT {state['tokens_to_token.project.weight'].shape[0]} wide, {depth} blocks"
     num_modules = len({key.split(".")[1] for key in state if key.startswith("layer4.")})
-    width = state["layer4.0.transformer.fc1.weight"].shape[0] if num_modules else "?"
+    if "layer4.0.transformer.fc1.weight" not in state:  # timm's ResNet: four stages of residual blocks
+        blocks = "-".join(str(len({k.split(".")[1] for k in state if k.startswith(f"layer{i}.")})) for i in range(1, 5))
+        width = next((t.shape[0] for k, t in reversed(state.items()) if k.startswith("layer4.") and t.ndim == 4), "?")
+        return f"ResNet, blocks {blocks}, {width} channels"
+    width = state["layer4.0.transformer.fc1.weight"].shape[0]
     return f"VT-ResNet, tokens {width} wide, {num_modules} VT modules"

@@ -7,6 +7,8 @@ Heads (`objective.head`):
              its loss with `aux_weight` in training (BEiT's and MAE's ADE20K set-up)
     linear   BatchNorm + 1x1 convolution on the last block's patch tokens, after the encoder's final norm (DINOv2's
              linear probe; with `freeze_encoder` the encoder is not trained)
+    fpn      a ResNet's four stages (strides 4-32) into panoptic FPN's semantic branch (finetune/fpn_heads.py)
+    vt_fpn   the same with the VT paper's visual tokens in place of the FPN's per-level convolutions
 The logits are upsampled bilinearly to the input's size; evaluation resizes them again to each mask's own size.
 
 Shapes: B batch, K classes, D encoder width, H/W the input, h/w the token grid.
@@ -21,9 +23,13 @@ from torch import nn
 
 from data.segmentation import IGNORE_INDEX
 from finetune.classification import reroot_rule
+from finetune.fpn_heads import PanopticFPN
 from finetune.seg_heads import AUX_LOSS_WEIGHT, FCNHead, LinearHead, UperNetHead, ViTPyramid
 
-HEADS = ("upernet", "linear")
+HEADS = ("upernet", "linear", "fpn", "vt_fpn")
+DEFAULT_CHANNELS = {"upernet": 512, "fpn": 256, "vt_fpn": 256}
+"""A head's width when the recipe gives none (mmsegmentation's UperNet; panoptic FPN); the linear head has none."""
+RESNET_STAGES = [1, 2, 3, 4]  # timm ResNet's feature indices of layer1-4 (strides 4-32); 0 is the stem
 AUX_CHANNELS = 256  # the auxiliary FCN head's width (mmsegmentation's UperNet set-up)
 
 
@@ -39,21 +45,31 @@ def token_stride(encoder: nn.Module) -> int:
 
 
 class SegmentationModel(nn.Module):
-    """A ViT encoder (timm's `forward_intermediates`) and a segmentation head.
+    """An encoder (timm's `forward_intermediates`) and a segmentation head.
 
     Args:
-        encoder: The encoder, without a classifier: a timm VisionTransformer (plain or hybrid) or T2T-ViT.
-        head: "upernet" or "linear".
+        encoder: The encoder, without a classifier: a timm VisionTransformer (plain or hybrid) or T2T-ViT for
+            "upernet" and "linear", a timm ResNet for "fpn" and "vt_fpn".
+        head: One of `HEADS`.
         num_classes: K.
-        channels: UperNet's width.
+        channels: The head's width (None: `DEFAULT_CHANNELS`).
         aux: Build UperNet's auxiliary FCN head.
     """
 
-    def __init__(self, encoder: nn.Module, head: str, num_classes: int, *, channels: int = 512, aux: bool = True):
+    def __init__(
+        self, encoder: nn.Module, head: str, num_classes: int, *, channels: int | None = None, aux: bool = True
+    ):
         super().__init__()
         if head not in HEADS:
-            raise ValueError(f"objective.head {head!r}: one of {HEADS} for a ViT encoder")
+            raise ValueError(f"objective.head {head!r}: one of {HEADS}")
         self.encoder, self.head_kind = encoder, head
+        self.channels = channels or DEFAULT_CHANNELS.get(head)
+        self.neck, self.aux_head = None, None
+        if head in ("fpn", "vt_fpn"):
+            self.blocks = RESNET_STAGES
+            widths = [encoder.feature_info[i]["num_chs"] for i in RESNET_STAGES]
+            self.head = PanopticFPN(widths, self.channels, num_classes, visual_tokens=head == "vt_fpn")
+            return
         dim, depth = encoder.embed_dim, len(encoder.blocks)
         # What no head reads (the pooled features' norm; the final norm, for UperNet's raw block outputs) stays as
         # handed over, frozen: the exported encoder keeps every tensor timm's model has.
@@ -62,13 +78,11 @@ class SegmentationModel(nn.Module):
         if head == "upernet":
             self.blocks = pyramid_blocks(depth)
             self.neck = ViTPyramid(dim, token_stride(encoder))
-            self.head = UperNetHead([dim] * 4, channels, num_classes)
+            self.head = UperNetHead([dim] * 4, self.channels, num_classes)
             self.aux_head = FCNHead(dim, AUX_CHANNELS, num_classes) if aux else None
         else:
             self.blocks = [depth - 1]
-            self.neck = None
             self.head = LinearHead(dim, num_classes)
-            self.aux_head = None
 
     def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, 3, H, W) -> logits (B, K, H, W) and, in training with an auxiliary head, its logits (B, K, H, W)."""
@@ -78,9 +92,9 @@ class SegmentationModel(nn.Module):
         )  # each (B, D, h, w)
         maps = [maps[read.index(block)] for block in self.blocks]
         size = image.shape[-2:]
-        if self.neck is None:
+        if self.head_kind == "linear":
             return _upsample(self.head(maps[-1]), size), None
-        levels = self.neck(maps)  # strides 4, 8, 16, 32
+        levels = self.neck(maps) if self.neck is not None else maps  # strides 4, 8, 16, 32 (a ResNet's as they are)
         logits = _upsample(self.head(levels), size)
         aux = _upsample(self.aux_head(levels[2]), size) if self.aux_head is not None and self.training else None
         return logits, aux
@@ -123,7 +137,8 @@ class Segmentation(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """The encoder's position embedding and prefix tokens (timm's list), under `model.encoder.`."""
         names = {name for name, _ in self.named_parameters()}
-        return {f"model.encoder.{name}" for name in self.model.encoder.no_weight_decay()} & names
+        listed = getattr(self.model.encoder, "no_weight_decay", set)()  # a ResNet has none
+        return {f"model.encoder.{name}" for name in listed} & names
 
     def group_matcher(self, coarse: bool = False) -> dict:
         """The encoder's layer groups for layer decay; the neck and heads match none, so they take the last group's

@@ -135,7 +135,8 @@ class SegEvaluation:
             "metrics": metrics,
             "config": cfg.model_dump(mode="json"),
             "segmentation": {
-                "head": o.head, "channels": o.channels, "aux": o.aux_weight > 0, "num_classes": self.num_classes,
+                "head": o.head, "channels": self.engine.module.model.channels, "aux": o.aux_weight > 0,
+                "num_classes": self.num_classes,
                 "crop": list(self.crop), "eval_mode": o.eval_mode, "stride": self.stride and list(self.stride),
                 "head_file": HEAD_FILE,
             },

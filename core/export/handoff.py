@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from timm.layers import resample_abs_pos_embed, resample_patch_embed, to_2tuple
-from timm.models import VisionTransformer
+from timm.models import ResNet, VisionTransformer
 
 from core.export.read import (
     Checkpoint,
@@ -130,8 +130,8 @@ def load_encoder(
 
     Args:
         model: The fine-tuning timm ViT (any patch grid or patch size, any pooling, any number of classes; a
-            `VisionTransformerDistilled` or a hybrid too), or a T2TViT / VTResNet (core/models/t2t_vit.py,
-            core/models/vt.py).
+            `VisionTransformerDistilled` or a hybrid too), a T2TViT / VTResNet (core/models/t2t_vit.py,
+            core/models/vt.py), or timm's ResNet (the FPN segmentation heads' backbone).
         path: Our export folder, an official MAE / DeiT checkpoint, or a timm state dict (.pth, .bin, .safetensors).
         head_init: For a classifier the checkpoint does not provide: "zero" weight and bias (ViT paper),
             "trunc_normal" weight with `head_init_std` and zero bias (MAE), or "keep" timm's init.
@@ -204,8 +204,10 @@ def resolve_global_pool(cfg: Config) -> None:
 
 
 def _check_options(model: VisionTransformer, head_init: str, head_init_std: float, pos_embed_resize: str) -> None:
-    if not isinstance(model, VisionTransformer | T2TViT | VTResNet):
-        raise ValueError(f"load_encoder needs a timm VisionTransformer, T2TViT or VTResNet, got {type(model).__name__}")
+    if not isinstance(model, VisionTransformer | T2TViT | VTResNet | ResNet):
+        raise ValueError(
+            f"load_encoder needs a timm VisionTransformer or ResNet, a T2TViT or VTResNet, got {type(model).__name__}"
+        )
     if head_init not in HEAD_INITS:
         raise ValueError(f"head_init must be one of {HEAD_INITS}, got {head_init!r}")
     if not head_init_std > 0:

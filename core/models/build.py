@@ -1,7 +1,7 @@
 """Builds the encoder the recipe names (`model.arch`): every arch through `timm.create_model` under a registered name
 (the plain ViT and timm's hybrid: core/models/vit.py; T2T-ViT and VT-ResNet: registered by core/models/t2t_vit.py and
-core/models/vt.py, imported here for that), so `model_args` + that name rebuild it in stock timm. Nothing distributed
-lives here: a ZeRO-3 build redoes timm's initialisation from core/engine/zero_init.py."""
+core/models/vt.py, imported here for that; timm's ResNet as it is), so `model_args` + that name rebuild it in stock
+timm. Nothing distributed lives here: a ZeRO-3 build redoes timm's initialisation from core/engine/zero_init.py."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> nn
             f"t2t_vit_{m.t2t_variant}", img_size=m.img_size, num_classes=num_classes, global_pool=global_pool,
             drop_path_rate=m.drop_path_rate, **widths,
         )  # fmt: skip
+    elif m.arch == "resnet":  # timm's own; any image size (no position table)
+        model = timm.create_model(f"resnet{m.resnet_variant}", num_classes=num_classes, drop_path_rate=m.drop_path_rate)
     elif m.arch == "vt_resnet":
         model = timm.create_model(
             f"vt_resnet{m.vt_variant}", img_size=m.img_size, num_classes=num_classes, drop_path_rate=m.drop_path_rate,

@@ -175,7 +175,7 @@ class VTResNet(nn.Module):
         Module by module through `apply`, each call touching only that module's own parameters: inside ZeRO-3's
         `deepspeed.zero.Init` the sub-modules are already partitioned here, and DeepSpeed gathers exactly those
         around each call (core/engine/zero_init.py), so the partitioned model starts from these values too."""
-        self.apply(_init_module)
+        self.apply(init_module)
         if zero_init_last:
             for block in self.modules():
                 if isinstance(block, (BasicBlock, Bottleneck)):
@@ -221,7 +221,8 @@ class VTResNet(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def _init_module(module: nn.Module) -> None:
+def init_module(module: nn.Module) -> None:
+    """Kaiming-normal convolutions (fan out), truncated-normal (0.02) Linear weights with zero biases."""
     if isinstance(module, nn.Conv2d):
         nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
     elif isinstance(module, nn.Linear):

@@ -36,8 +36,9 @@ from data.shard_read import ShardReadPolicy
 from data.worker_process import LOADER_TIMEOUT_S
 
 _READS = ShardReadPolicy()  # the defaults of the data.read_* keys
-SEGMENTATION_ARCHS = ("vit", "vit_hybrid", "t2t_vit")
-"""Encoders with a token grid of patches, which the segmentation heads read block by block."""
+SEGMENTATION_ARCHS = {"vit": ("upernet", "linear"), "vit_hybrid": ("upernet", "linear"),
+                      "t2t_vit": ("upernet", "linear"), "resnet": ("fpn", "vt_fpn")}  # fmt: skip
+"""Segmentation heads per encoder: the ViTs' token grids are read block by block, a ResNet's four stages by FPNs."""
 
 
 # timm's IMAGENET_DEFAULT_MEAN/STD (tests/unit/test_layers.py checks they agree), written out: importing timm.data
@@ -424,7 +425,17 @@ class Config(Section):
         """What segmentation does not do: classification's mixing, erasing, policies, distillation and EMA."""
         if self.model.arch not in SEGMENTATION_ARCHS:
             raise ValueError(
-                f"objective segmentation needs model.arch in {SEGMENTATION_ARCHS}, not {self.model.arch!r}"
+                f"objective segmentation needs model.arch in {tuple(SEGMENTATION_ARCHS)}, not {self.model.arch!r}"
+            )
+        if self.model.arch == "resnet" and self.engine.zero_stage == 3:
+            raise ValueError(
+                "model.arch resnet needs engine.zero_stage 0-2: timm's ResNet initialises its layers after building "
+                "them, which a ZeRO-3 build (parameters partitioned as each layer is made) would skip"
+            )
+        heads = SEGMENTATION_ARCHS[self.model.arch]
+        if self.objective.head not in heads:
+            raise ValueError(
+                f"objective.head {self.objective.head} does not fit model.arch {self.model.arch}: one of {heads}"
             )
         a = self.augment
         unused = {

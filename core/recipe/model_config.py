@@ -13,9 +13,10 @@ from core.recipe.sections import Objective, Section, SimMIMObjective
 
 
 class ModelConfig(Section):
-    arch: Literal["vit", "vit_hybrid", "t2t_vit", "vt_resnet"] = "vit"
+    arch: Literal["vit", "vit_hybrid", "t2t_vit", "vt_resnet", "resnet"] = "vit"
     """vit: the plain ViT; vit_hybrid: timm's ResNet-stem ViT (`hybrid_backbone`'s feature map is the patch grid);
-    t2t_vit: T2T-ViT (`t2t_variant`, core/models/t2t_vit.py); vt_resnet: VT-ResNet (`vt_variant`, core/models/vt.py)."""
+    t2t_vit: T2T-ViT (`t2t_variant`, core/models/t2t_vit.py); vt_resnet: VT-ResNet (`vt_variant`, core/models/vt.py);
+    resnet: timm's ResNet (`resnet_variant`), the backbone of the FPN segmentation heads."""
     size: Literal["tiny", "small", "base", "large", "huge"] = "base"
     """ViT size preset (vit, vit_hybrid); `embed_dim`/`depth`/`num_heads` override it."""
     img_size: int | tuple[int, int] = 224
@@ -32,6 +33,8 @@ class ModelConfig(Section):
     `embed_dim`/`depth`/`num_heads` override the variant's backbone."""
     vt_variant: Literal[18, 34, 50, 101] = 18
     """vt_resnet: VT-ResNet-18/34/50/101; `embed_dim` overrides the token width (1024)."""
+    resnet_variant: Literal[18, 34, 50, 101] = 50
+    """resnet: ResNet-18/34/50/101 (timm's `resnet18` ... `resnet101`; ImageNet weights load through `init`)."""
     embed_dim: int | None = Field(None, gt=0)
     """Token width; None: the size preset's (tiny 192, small 384, base 768, large 1024, huge 1280) or the variant's."""
     depth: int | None = Field(None, gt=0)
@@ -76,12 +79,13 @@ class ModelConfig(Section):
 
     @property
     def pixel_stride(self) -> int:
-        """Image pixels per token side (vit: the patch; hybrid: backbone stride x patch; T2T, VT: 16)."""
+        """Image pixels per token side (vit: the patch; hybrid: backbone stride x patch; T2T, VT: 16; ResNet: its
+        last stage's 32)."""
         if self.arch == "vit":
             return self.patch_size
         if self.arch == "vit_hybrid":
             return HYBRID_STRIDES[self.hybrid_backbone] * self.patch_size
-        return 16
+        return 32 if self.arch == "resnet" else 16
 
     @model_validator(mode="before")
     @classmethod
@@ -112,6 +116,11 @@ def check_arch(model: ModelConfig, objective: Objective, *, activation_checkpoin
         distill: `distill.kind`.
     """
     arch, kind = model.arch, objective.kind
+    if arch == "resnet" and kind != "segmentation":
+        raise ValueError(
+            f"model.arch resnet is the backbone of the FPN segmentation heads (objective.kind segmentation, "
+            f"objective.head fpn or vt_fpn), not of objective.kind {kind}"
+        )
     if kind == "mae" and arch != "vit":
         raise ValueError(
             f"objective.kind mae needs model.arch vit, got {arch!r}: MAE drops the masked tokens before the encoder, "

@@ -166,11 +166,14 @@ class SegmentationObjective(Section):
     kind: Literal["segmentation"] = "segmentation"
     """segmentation: per-pixel cross-entropy on segmentation shards' masks, mIoU on data.val (stage finetune;
     finetune/segment.py). model.img_size is the training crop."""
-    head: Literal["upernet", "linear"] = "upernet"
-    """upernet: UperNet + an auxiliary FCN head over four blocks of the ViT, brought to strides 4-32 (BEiT's and
-    MAE's ADE20K set-up); linear: BatchNorm + 1x1 convolution on the last block's patch tokens (DINOv2's probe)."""
-    channels: int = Field(512, gt=0)
-    """UperNet's width (mmsegmentation's default; BEiT and MAE use 768 with ViT-B)."""
+    head: Literal["upernet", "linear", "fpn", "vt_fpn"] = "upernet"
+    """ViT encoders: upernet (UperNet + an auxiliary FCN head over four blocks of the ViT, brought to strides 4-32:
+    BEiT's and MAE's ADE20K set-up) or linear (BatchNorm + 1x1 convolution on the last block's patch tokens: DINOv2's
+    probe). model.arch resnet: fpn (panoptic FPN's semantic branch on the four stages) or vt_fpn (the VT paper's
+    VT-FPN: the FPN's per-level 3x3 convolutions replaced by 8 visual tokens per level and one transformer)."""
+    channels: int | None = Field(None, gt=0)
+    """The head's width; default: UperNet 512 (mmsegmentation's; BEiT and MAE use 768 with ViT-B), FPN and VT-FPN
+    256 (panoptic FPN's; its semantic branch is half as wide)."""
     aux_weight: float = Field(0.4, ge=0.0)
     """Weight of the auxiliary FCN head's loss (UperNet); 0 builds no auxiliary head."""
     freeze_encoder: bool = False

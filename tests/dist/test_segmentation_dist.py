@@ -136,3 +136,29 @@ def test_a_zero3_run_resumes_where_it_stopped_and_exports_whole_weights(zero2_ru
     head = safetensors.torch.load_file(str(export / "seg_head.safetensors"))
     assert head["head.classifier.weight"].shape == (11, 16, 1, 1)
     assert head["head.fuse.1.running_var"].shape == (16,)
+
+
+def test_vt_fpn_trains_on_a_resnet_from_a_timm_state_dict_and_predicts_from_its_export(scenes, tmp_path):
+    """A ResNet-18 classifier's weights -> VT-FPN at 64 px, 2 ranks (the backbone's BatchNorm synchronised), export,
+    then `predict` from the export scores what the run's best evaluation scored."""
+    torch.manual_seed(0)
+    torch.save(timm.create_model("resnet18", num_classes=7).state_dict(), tmp_path / "r18.pth")
+    recipe = seg_recipe(scenes, tmp_path / "run", tmp_path / "r18.pth", head="vt_fpn", channels=32)
+    recipe["model"] = {"arch": "resnet", "resnet_variant": 18, "img_size": 64, "init": str(tmp_path / "r18.pth")}
+    proc = launch(write_recipe(tmp_path / "seg.yaml", recipe))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "dropped" in proc.stdout and "fc.weight" in proc.stdout  # the classifier is not the encoder's
+    evals = [m for m in read_metrics(tmp_path / "run") if "val/miou" in m]
+    assert [m["step"] for m in evals] == [2, 4]
+
+    export = tmp_path / "run" / "export"
+    encoder = timm.create_model(f"local-dir:{export}", pretrained=True)  # strict: timm's resnet18
+    assert type(encoder).__name__ == "ResNet" and encoder.layer4[1].conv2.weight.shape == (512, 512, 3, 3)
+    manifest = json.loads((export / "mimpipe.json").read_text())
+    assert manifest["segmentation"]["head"] == "vt_fpn" and manifest["segmentation"]["channels"] == 32
+    head = safetensors.torch.load_file(str(export / "seg_head.safetensors"))
+    assert head["head.tokens.tokenizers.0.filters.weight"].shape == (8, 32)  # 8 visual tokens per level
+    cmd = [sys.executable, "-m", "finetune", "predict", str(export), "--images", str(scenes / "val"), "--out",
+           str(tmp_path / "masks")]  # fmt: skip
+    assert subprocess.run(cmd, cwd=REPO, capture_output=True, text=True).returncode == 0
+    assert len(list((tmp_path / "masks").glob("*.png"))) == 16

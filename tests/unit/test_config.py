@@ -46,6 +46,7 @@ PUBLISHED = {
     "quickstart_seg": (("finetune", "tiny", 64, 4, "segmentation"), 32, 4e-3 * 32 / 256, 1, (600, 50)),
     "seg_upernet_vitb_ade20k": (("finetune", "base", 512, 16, "segmentation"), 16, 1e-4, 1, (160000, 1500)),
     "seg_linear_vitb_ade20k": (("finetune", "base", 512, 16, "segmentation"), 16, 1e-3, 1, (40000, 1500)),
+    "seg_vtfpn_r50_ade20k": (("finetune", "base", 512, 16, "segmentation"), 16, 0.01, 1, (80000, 0)),  # ResNet-50
     "quickstart_linprobe": (("finetune", "tiny", 28, 4, "classification"), 256, 0.1, 1, (500, 50)),
     "quickstart_mpp": (("pretrain", "tiny", 28, 4, "beit"), 256, 1.5e-3, 1, (350, 35)),
     "quickstart_tokenizer": (("tokenizer", "base", 224, 16, "vqvae"), 128, 2e-3, 1, (500, 25)),  # model unused
@@ -90,6 +91,13 @@ VARIANT = {
         "objective.head": "linear",
         "objective.freeze_encoder": True,
         "objective.aux_weight": 0.0,
+    },
+    "seg_vtfpn_r50_ade20k": {
+        "model.arch": "resnet",
+        "model.resnet_variant": 50,
+        "objective.head": "vt_fpn",
+        "objective.channels": 256,
+        "optim.kind": "sgd",
     },
     "quickstart_linprobe": {"objective.mode": "linear_probe", "optim.kind": "lars", "model.global_pool": "token"},
     "quickstart_mpp": {"objective.target.kind": "mean_color_3bit", "objective.corruption": "mixed"},
@@ -160,6 +168,14 @@ def test_base_recipe_is_merged_and_overridden():
     assert cfg.engine.zero_stage == 2 and cfg.data.global_batch_size == 4096
 
 
+SEG_FPN = ["stage=finetune", "objective.kind=segmentation", "objective.head=fpn", "model.arch=resnet"]
+
+
+def test_a_resnet_takes_the_fpn_heads_at_their_width():
+    cfg = load_config(None, SEG_FPN + ["model.resnet_variant=18", "engine.zero_stage=2"])
+    assert cfg.model.resnet_variant == 18 and cfg.objective.channels is None  # the head's default (256)
+
+
 @pytest.mark.parametrize(
     "override, fragment",
     [
@@ -188,6 +204,10 @@ def test_base_recipe_is_merged_and_overridden():
         (["data.read_timeout_s=0"], "data.read_timeout_s"),
         (["data.read_retries=-1"], "data.read_retries"),
         (["data.max_skipped_shard_fraction=1.5"], "data.max_skipped_shard_fraction"),
+        (["stage=finetune", "model.arch=resnet"], "model.arch resnet is the backbone of the FPN segmentation heads"),
+        (["stage=finetune", "objective.kind=segmentation", "model.arch=resnet"], "upernet does not fit model.arch"),
+        (["stage=finetune", "objective.kind=segmentation", "objective.head=vt_fpn"], "vt_fpn does not fit model.arch"),
+        (SEG_FPN + ["engine.zero_stage=3"], "model.arch resnet needs engine.zero_stage 0-2"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):

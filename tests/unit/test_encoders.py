@@ -211,3 +211,5 @@ def test_preflight_describes_every_encoder_from_its_shapes():
     assert describe_encoder(t2t.state_dict()) == "T2T-ViT 32 wide, 3 blocks"
     assert describe_encoder(vt.state_dict()) == "VT-ResNet, tokens 64 wide, 3 VT modules"
     assert describe_encoder(hybrid.state_dict()) == "ViT 32 wide, 2 blocks, patch 2x2"  # on the feature map
+    resnet50 = timm.create_model("resnet50", num_classes=0)
+    assert describe_encoder(resnet50.state_dict()) == "ResNet, blocks 3-4-6-3, 2048 channels"
