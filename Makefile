@@ -1,5 +1,6 @@
 # mimpipe: make quickstart | make quickstart-seg | make test | make lint | make bench | make bench-memory | make bench-data |
-#         make bench-startup | make smoke-recipes | make encoders-table | make bench-quality | make gpu-check
+#         make bench-startup | make smoke-recipes | make encoders-table | make bench-quality | make bench-seg |
+#         make gpu-check
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
@@ -9,7 +10,8 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: install quickstart quickstart-beit quickstart-data quickstart-seg quickstart-seg-data test test-faults test-unit test-dist lint format bench bench-memory \
-	bench-data bench-resume bench-startup smoke-recipes encoders-table bench-quality gpu-check recipe-reference
+	bench-data bench-resume bench-startup smoke-recipes encoders-table bench-quality bench-seg gpu-check \
+	recipe-reference
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -151,6 +153,12 @@ bench-startup: quickstart-data
 # resumable (a finished arm is skipped). benchmarks/results/quality.md + quality.png. QUALITY_ARGS: e.g. --scale 0.02.
 bench-quality: quickstart-data
 	$(PY) -m benchmarks.bench_quality --shards $(SHARDS) $(QUALITY_ARGS)
+
+# Segmentation (issue 29): UperNet and the linear probe from an MAE encoder against scratch, VT-FPN against panoptic FPN
+# on the Fashion-MNIST scenes, and both FPNs' parameters and GMACs: about an hour on 2 cores, resumable.
+# benchmarks/results/segmentation.md. SEG_ARGS: e.g. --scale 0.05 for a smoke run.
+bench-seg: quickstart-seg-data
+	$(PY) -m benchmarks.bench_seg --scenes $(SCENES) $(SEG_ARGS)
 
 # One command for a GPU host (docs/gpu.md): tests/gpu (CUDA against the CPU, the engine path: bf16 inside the engine,
 # ZeRO 0-3, NCCL with 2+ GPUs, compile, resume, fine-tuning, activation checkpointing), then benchmarks/bench_gpu.py
