@@ -135,6 +135,8 @@ def _expected_shapes(cfg: Config, num_classes: int) -> dict[str, list[int]]:
         width, channels = m.embed_dim or 1024, 256 if m.vt_variant in (18, 34) else 1024
         shapes = {"layer4.0.tokenizer.filters.weight": [16, channels]}  # 16 visual tokens from the stride-16 map
         return {**shapes, "fc.weight": [num_classes, width]} if num_classes else shapes
+    if m.arch == "resnet":  # the last stage's first convolution: 3x3 (BasicBlock, ResNet-18/34) or 1x1 (Bottleneck)
+        return {"layer4.0.conv1.weight": [512, 256, 3, 3] if m.resnet_variant in (18, 34) else [512, 1024, 1, 1]}
     width = m.embed_dim or VIT_SIZES[m.size]["embed_dim"]
     prefix = 2 if cfg.stage == "finetune" and cfg.distill.kind != "none" else 1  # DeiT: class + distillation token
     shapes = {"pos_embed": [1, prefix + math.prod(m.grid), width]}

@@ -94,6 +94,8 @@ CHAINS: dict[str, tuple[Stage, ...]] = {
     ),
     "t2t_vit14": (Stage("t2t_vit14"),),  # trained from scratch: no pretraining stage to hand over
     "vt_resnet18": (Stage("vt_resnet18"),),  # VT is fine-tuned only (docs/encoders.md)
+    # The recipe starts from an ImageNet ResNet-50 the user saves; no chain makes one, so this runs from timm's init.
+    "seg_vtfpn_r50": (Stage("seg_vtfpn_r50_ade20k", settings=("model.init=null",)),),
 }
 REDUCED: dict[str, tuple[str, ...]] = {"mae_vith": ("model.depth=8",)}
 """Chains run a second time with these overrides when a stage did not fit in memory: ViT-H/14 with 8 of its 32
@@ -328,6 +330,8 @@ def _describe(cfg: Config) -> str:
         return f"T2T-ViT{'_t' if m.t2t_variant.startswith('t_') else ''}-{m.t2t_variant[-2:]} at {m.img_size} px"
     if m.arch == "vt_resnet":
         return f"VT-ResNet-{m.vt_variant} at {m.img_size} px"
+    if m.arch == "resnet":
+        return f"ResNet-{m.resnet_variant} + {cfg.objective.head.upper().replace('_', '-')} at {m.img_size} px"
     depth = VIT_SIZES[m.size]["depth"]
     text = f"ViT-{m.size[0].upper()}/{m.patch_size} at {m.img_size} px"
     text += f", {m.depth} of {depth} blocks" if m.depth not in (None, depth) else ""
