@@ -43,7 +43,7 @@ def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> nn
     elif m.arch == "vt_resnet":
         model = timm.create_model(
             f"vt_resnet{m.vt_variant}", img_size=m.img_size, num_classes=num_classes, drop_path_rate=m.drop_path_rate,
-            **({"token_dim": m.embed_dim} if m.embed_dim else {}),
+            tokenizer=m.vt_tokenizer, **({"token_dim": m.embed_dim} if m.embed_dim else {}),
         )  # fmt: skip
     else:
         model = build_vit(

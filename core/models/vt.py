@@ -9,6 +9,8 @@ classifier averages the final tokens. Importing this module registers `vt_resnet
 
 Equations (X: pixels (HW, C), T: tokens (L, C_T)), as in the paper, with the changes noted:
     filter-based tokenizer (first module):  A = softmax_HW(X W_A),  T = A^T X W_V
+    clustering tokenizer (first module, `tokenizer="cluster"`): W_A replaced by the image's own k-means centres
+                                            (core/models/vt_cluster.py)
     recurrent tokenizer (later modules):    W_R = T_in W_TR,  A = softmax_HW(X W_R^T),  T = A^T X W_V
     transformer:   T' = T + softmax_L((T K)(T Q)^T / sqrt(C_T / 2)) T,   T_out = T' + relu(T' F1) F2
     projector:     X_out = X + softmax_L((X W_Q)(T W_K)^T / sqrt(C)) T W_V'
@@ -30,6 +32,7 @@ from timm.models.resnet import BasicBlock, Bottleneck, make_blocks
 from torch import nn
 
 from core.models.registry import imagenet_cfg, register_variants
+from core.models.vt_cluster import ClusterTokenizer
 
 
 def _projection(in_dim: int, out_dim: int) -> nn.Module:
@@ -96,17 +99,26 @@ class Projector(nn.Module):
 
 
 class VTModule(nn.Module):
-    """Tokenizer -> transformer -> projector (the projector is left out in the last module)."""
+    """Tokenizer -> transformer -> projector (the projector is left out in the last module). The first module's
+    tokenizer is filter-based, or with `cluster` the clustering-based one (core/models/vt_cluster.py)."""
 
-    def __init__(self, channels: int, token_dim: int, num_tokens: int, recurrent: bool, project: bool):
+    def __init__(
+        self, channels: int, token_dim: int, num_tokens: int, recurrent: bool, project: bool, cluster: bool = False
+    ):
         super().__init__()
-        self.tokenizer = Tokenizer(channels, token_dim, num_tokens, recurrent)
+        if cluster:
+            self.tokenizer = ClusterTokenizer(channels, token_dim, num_tokens)
+        else:
+            self.tokenizer = Tokenizer(channels, token_dim, num_tokens, recurrent)
         self.transformer = TokenTransformer(token_dim)
         self.projector = Projector(channels, token_dim) if project else None
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, HW, C), previous tokens or None -> (new x (B, HW, C), tokens (B, L, C_T))."""
-        tokens = self.transformer(self.tokenizer(x, tokens))
+    def forward(
+        self, x: torch.Tensor, tokens: torch.Tensor | None, grid: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, HW, C) of an (h, w) = `grid` map, previous tokens or None -> (new x (B, HW, C), tokens (B, L, C_T))."""
+        clustered = isinstance(self.tokenizer, ClusterTokenizer)  # its filters come from x on `grid`, not from tokens
+        tokens = self.transformer(self.tokenizer(x, grid) if clustered else self.tokenizer(x, tokens))
         return (self.projector(x, tokens) if self.projector is not None else x), tokens
 
 
@@ -127,6 +139,7 @@ class VTResNet(nn.Module):
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         zero_init_last: bool = True,
+        tokenizer: Literal["filter", "cluster"] = "filter",
     ):
         """Builds the model.
 
@@ -144,10 +157,14 @@ class VTResNet(nn.Module):
             drop_rate: Dropout before the classifier.
             drop_path_rate: Stochastic depth of the last residual block (linear from 0).
             zero_init_last: Zero the last BatchNorm of each residual branch (timm's ResNet default).
+            tokenizer: The first VT module's: "filter" (learned filters W_A) or "cluster" (each image's k-means
+                centres, core/models/vt_cluster.py); later modules are recurrent either way.
         """
         super().__init__()
         if global_pool != "avg":
             raise ValueError(f"global_pool {global_pool!r}: VT-ResNet only averages its visual tokens ('avg')")
+        if tokenizer not in ("filter", "cluster"):
+            raise ValueError(f"tokenizer {tokenizer!r}: 'filter' or 'cluster'")
         self.img_size = img_size
         self.num_classes = num_classes
         self.global_pool = global_pool
@@ -161,7 +178,14 @@ class VTResNet(nn.Module):
             self.add_module(name, stage)
         self.feature_channels = feature_info[-1]["num_chs"]  # 256 (BasicBlock) or 1024 (Bottleneck), stride 16
         self.layer4 = nn.ModuleList(
-            VTModule(self.feature_channels, token_dim, num_tokens, recurrent=i > 0, project=i < num_vt_modules - 1)
+            VTModule(
+                self.feature_channels,
+                token_dim,
+                num_tokens,
+                recurrent=i > 0,
+                project=i < num_vt_modules - 1,
+                cluster=i == 0 and tokenizer == "cluster",
+            )  # fmt: skip
             for i in range(num_vt_modules)
         )
         self.head_drop = nn.Dropout(drop_rate)
@@ -206,10 +230,11 @@ class VTResNet(nn.Module):
         """(B, 3, H, W) -> visual tokens (B, L, C_T) of the last VT module."""
         x = self.maxpool(self.act1(self.bn1(self.conv1(x))))
         x = self.layer3(self.layer2(self.layer1(x)))  # (B, C, H / 16, W / 16)
+        grid = tuple(x.shape[-2:])
         x = x.flatten(2).transpose(1, 2)  # (B, HW, C)
         tokens = None
         for module in self.layer4:
-            x, tokens = module(x, tokens)
+            x, tokens = module(x, tokens, grid)
         return tokens
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:

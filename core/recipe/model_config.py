@@ -33,6 +33,9 @@ class ModelConfig(Section):
     `embed_dim`/`depth`/`num_heads` override the variant's backbone."""
     vt_variant: Literal[18, 34, 50, 101] = 18
     """vt_resnet: VT-ResNet-18/34/50/101; `embed_dim` overrides the token width (1024)."""
+    vt_tokenizer: Literal["filter", "cluster"] = "filter"
+    """vt_resnet: the first VT module's tokenizer: filter (learned filters, the same for every image) or cluster (the
+    VT paper's clustering-based tokenizer: each image's 16 k-means centres of its normalised pixels as the filters)."""
     resnet_variant: Literal[18, 34, 50, 101] = 50
     """resnet: ResNet-18/34/50/101 (timm's `resnet18` ... `resnet101`; ImageNet weights load through `init`)."""
     embed_dim: int | None = Field(None, gt=0)

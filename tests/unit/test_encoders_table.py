@@ -16,7 +16,7 @@ from core.models.build import build_model
 from core.recipe.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
-ROWS = ("vit", "hybrid", "t2t", "vt", "hybrid_simmim", "t2t_simmim")  # the table's rows, in order
+ROWS = ("vit", "hybrid", "t2t", "vt", "vt_cluster", "hybrid_simmim", "t2t_simmim")  # the table's rows, in order
 
 
 def encoders_table(*args: str) -> subprocess.CompletedProcess:
@@ -58,6 +58,11 @@ def test_dry_run_plans_every_row_and_simmim_rows_fine_tune_from_their_own_pretra
     assert f"model.init={runs / 't2t_simmim_pretrain' / 'export'}" in finetune
     (scratch,) = plans["vit"]
     assert config_of(scratch).model.init is None and config_of(scratch).run_dir == str(runs / "vit")
+    (cluster,) = plans["vt_cluster"]  # the VT row's recipe with the clustering tokenizer, nothing else changed
+    assert config_of(cluster).model.vt_tokenizer == "cluster"
+    assert config_of(cluster).model_dump(exclude={"run_dir", "model"}) == config_of(plans["vt"][0]).model_dump(
+        exclude={"run_dir", "model"}
+    )
 
 
 @pytest.mark.parametrize("name", ROWS)
@@ -107,4 +112,4 @@ def test_table_assembled_from_the_runs_metrics(tmp_path):
 def test_unknown_rows_are_refused_naming_the_known_ones():
     proc = encoders_table("--rows", "vit,deit", "--dry-run")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert "unknown rows ['deit']; known: vit, hybrid, t2t, vt, hybrid_simmim, t2t_simmim" in proc.stderr
+    assert "unknown rows ['deit']; known: vit, hybrid, t2t, vt, vt_cluster, hybrid_simmim, t2t_simmim" in proc.stderr
