@@ -74,7 +74,7 @@ ROWS: tuple[Row, ...] = (
         "vt_cluster",
         "VT-ResNet-18, clustering tokenizer (16 k-means centres, 32 px)",
         ("quickstart_vt", "model.vt_tokenizer=cluster"),
-    ),  # fmt: skip
+    ),
     Row("hybrid_simmim", HYBRID, ("quickstart_hybrid",), ("quickstart_simmim", *HYBRID_SIMMIM)),
     Row("t2t_simmim", T2T, ("quickstart_t2t",), ("quickstart_simmim", *T2T_SIMMIM)),
 )
