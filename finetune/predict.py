@@ -95,7 +95,7 @@ def write_masks(model: Segmentation, info: dict, config: dict, images: str, out:
     colours = class_colours(info["num_classes"])
     out.mkdir(parents=True, exist_ok=True)
     count = 0
-    for name, image in _images(images):
+    for name, image in read_images(images):
         pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # (3, H, W) uint8 over an (H, W, 3) buffer
         pixels = transform.resize(pixels)[None].to(device)  # (1, 3, h, w) uint8
         logits = predict(model, normalise(pixels, affine), crop, stride)  # (1, K, h, w)
@@ -112,7 +112,7 @@ def write_masks(model: Segmentation, info: dict, config: dict, images: str, out:
     return count
 
 
-def _images(spec: str) -> Iterator[tuple[str, Image.Image]]:
+def read_images(spec: str) -> Iterator[tuple[str, Image.Image]]:
     """(name, RGB image) of every image file under a folder without an index.json, else of every shard sample."""
     if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "index.json")):
         files = sorted(p for p in Path(spec).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)

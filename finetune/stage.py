@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.predict import main as predict_main
 
         return predict_main(argv[1:])
+    if argv[:1] == ["inspect"]:
+        from finetune.inspect_vit import main as inspect_main
+
+        return inspect_main(argv[1:])
 
     # Config (pooling from the checkpoint's hint unless the recipe says), distributed init, run dir, resume point
     run = start_stage("python -m finetune", argv, resolve=resolve_global_pool)
