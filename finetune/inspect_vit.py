@@ -25,24 +25,12 @@ import timm
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import PatchEmbed
 from timm.models.vision_transformer import VisionTransformer
 from torchvision.utils import save_image
 
 from core.export.manifest import MANIFEST_NAME
-from core.report.vit_inspection import (
-    attention_rollout,
-    attention_weights,
-    filter_components,
-    mean_attention_distance,
-    output_token_map,
-    patch_distances,
-    position_similarity,
-)
-from core.report.vit_pictures import distance_picture, filters_picture, rollout_picture, similarity_picture
+from core.report.vit_pictures import inspectable, inspection
 from finetune.predict import read_images
-
-NUM_COMPONENTS = 28  # the ViT paper's figure 7 (left)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,11 +62,9 @@ def load_vit(export: Path) -> tuple[VisionTransformer, list[float], list[float]]
     if not (export / "config.json").is_file():
         raise ValueError(f"{export} is not an export folder (no config.json)")
     vit = timm.create_model(f"local-dir:{export}", pretrained=True).eval()
-    plain = isinstance(vit, VisionTransformer) and isinstance(vit.patch_embed, PatchEmbed)
-    if not (plain and vit.pos_embed is not None):
+    if not inspectable(vit):
         raise ValueError(
-            f"{export} holds a {type(vit).__name__} ({vit.patch_embed.__class__.__name__ if plain else 'no ViT'}); "
-            "inspection needs a plain ViT's patch and position embeddings"
+            f"{export} holds a {type(vit).__name__}; inspection needs a plain ViT's patch and position embeddings"
         )
     manifest_path = export / MANIFEST_NAME
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
@@ -97,36 +83,14 @@ def load_images(spec: str, count: int, size: tuple[int, int]) -> torch.Tensor:
     return torch.cat(pictures).clamp(0, 1)
 
 
-@torch.no_grad()
 def inspect(vit: VisionTransformer, images: torch.Tensor, mean, std, out: Path) -> dict:
-    """Compute the four inspections on `images` (B, 3, H, W in [0, 1]), write the PNGs and inspection.json to
-    `out`; returns the numbers (also the JSON's content)."""
-    grid, patch = tuple(vit.patch_embed.grid_size), vit.patch_embed.patch_size[0]
-    num_prefix = 0 if vit.no_embed_class else vit.num_prefix_tokens
+    """The four inspections on `images` (B, 3, H, W in [0, 1]) written to `out` as PNGs and inspection.json;
+    returns the numbers (the JSON's content)."""
     normalised = (images - torch.tensor(mean)[:, None, None].to(images)) / torch.tensor(std)[:, None, None].to(images)
-    attentions = attention_weights(vit, normalised)
-    distances = torch.stack([mean_attention_distance(a, patch_distances(grid, patch).to(a), vit.num_prefix_tokens)
-                             for a in attentions])  # fmt: skip
-    components, shares = filter_components(vit.patch_embed.proj.weight, NUM_COMPONENTS)
-    similarity = position_similarity(vit.pos_embed, num_prefix)
-    heat = output_token_map(attention_rollout(attentions), vit.num_prefix_tokens, grid)
+    pictures, numbers = inspection(vit, normalised, mean, std)
     out.mkdir(parents=True, exist_ok=True)
-    pictures = {
-        "filters.png": filters_picture(components),
-        "position_similarity.png": similarity_picture(similarity.cpu(), grid),
-        "attention_distance.png": distance_picture(distances.cpu(), patch),
-        "attention_rollout.png": rollout_picture(images.cpu(), heat.cpu()),
-    }
     for name, picture in pictures.items():
-        save_image(picture, out / name)
-    numbers = {
-        "files": list(pictures),
-        "grid": list(grid),
-        "patch": patch,
-        "images": len(images),
-        "filter_variance_share": shares.tolist(),
-        "mean_attention_distance_px": distances.tolist(),  # [block][head]
-        "position_similarity": similarity.tolist(),
-    }
+        save_image(picture, out / f"{name}.png")
+    numbers = {"files": [f"{name}.png" for name in pictures], **numbers}
     (out / "inspection.json").write_text(json.dumps(numbers))
     return numbers

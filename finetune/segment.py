@@ -13,6 +13,7 @@ import torch
 from timm.layers import to_2tuple
 
 from core.engine.gather import gather_state_dict
+from core.engine.inspection_hook import inspection_hook
 from core.engine.loop import LoopHooks
 from core.engine.run import run_loop, seed_everything, start_engine
 from core.engine.stage import StageRun
@@ -57,7 +58,10 @@ def main_segmentation(run: StageRun) -> int:
     engine, optimizer = start_engine(run, build_objective(cfg, run, num_classes))
     evaluation = SegEvaluation(run, engine, classes=info["classes"], num_classes=num_classes, crop=crop)
 
-    code = run_loop(run, engine, optimizer, batches, LoopHooks(evaluate=evaluation.evaluate if cfg.data.val else None))
+    hooks = LoopHooks(
+        evaluate=evaluation.evaluate if cfg.data.val else None, log_images=inspection_hook(run, engine.module)
+    )
+    code = run_loop(run, engine, optimizer, batches, hooks)
     return code or finish_with_export(run, evaluation.export, f"mIoU {run.state.best_miou:.4f}")
 
 

@@ -9,6 +9,7 @@ from functools import partial
 
 import torch
 
+from core.engine.inspection_hook import inspection_hook
 from core.engine.loop import LoopHooks
 from core.engine.run import run_loop, seed_everything, start_engine, start_stage
 from core.engine.stream import train_stream
@@ -72,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     # Evaluation on data.val, every improvement of top-1 exported (see finetune/best.py)
     best = BestExport(run, engine, classes=classes, num_classes=num_classes, transform=eval_tf)
 
-    # Loop
+    # Loop, with the ViT paper's inspection pictures at the picture cadence
     hooks = LoopHooks(
         evaluate=best.evaluate if cfg.data.val else None,
+        log_images=inspection_hook(run, engine.module),
         after_update=partial(update_ema, engine) if engine.module.ema is not None else None,
     )
     code = run_loop(run, engine, optimizer, batches, hooks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from core.engine.gather import gather_state_dict
+from core.engine.inspection_hook import both, inspection_hook
 from core.engine.loop import LoopHooks
 from core.engine.run import finish_stage, run_loop, seed_everything, start_engine, start_stage
 from core.engine.stream import train_stream
@@ -36,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     seed_everything(cfg.seed)
     engine, optimizer = start_engine(run, objective_builder(cfg))
 
-    # Pictures of the objective's output on one fixed batch with fixed masks, comparable across steps
-    log_images = picture_hook(run, engine)
+    # Pictures of the objective's output on one fixed batch with fixed masks, comparable across steps, and the ViT
+    # paper's inspection of the encoder
+    log_images = both(picture_hook(run, engine), inspection_hook(run, engine.module))
 
     # Loop, with the kNN monitor when eval.knn.enabled (every eval.knn.every_steps and at the last step)
     hooks = LoopHooks(evaluate=knn_monitor(run, engine), log_images=log_images)

@@ -9,12 +9,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import torchvision
+from timm.layers import PatchEmbed
+from timm.models.vision_transformer import VisionTransformer
 
 from core.report.pictures import image_grid, labelled_matrix, upscale_nearest
+from core.report.vit_inspection import (
+    attention_rollout,
+    attention_weights,
+    filter_components,
+    mean_attention_distance,
+    output_token_map,
+    patch_distances,
+    position_similarity,
+)
 
 LOW = torch.tensor([0.07, 0.04, 0.35])  # dark blue: the low end of every colour ramp here
 HIGH = torch.tensor([0.99, 0.91, 0.15])  # yellow: the high end
 FILTERS_PER_ROW = 7  # the ViT paper's figure shows 28 components in 4 rows of 7
+NUM_COMPONENTS = 28  # its figure 7 (left)
 
 
 def ramp(values: torch.Tensor) -> torch.Tensor:
@@ -63,3 +75,43 @@ def rollout_picture(images: torch.Tensor, heat: torch.Tensor) -> torch.Tensor:
     reaches the output token (the ViT paper's figure 6)."""
     weight = F.interpolate(heat[:, None], size=images.shape[-2:], mode="bilinear", align_corners=False)
     return image_grid([images, images * weight.clamp(0, 1)], ["image", "attention rollout"])
+
+
+@torch.no_grad()
+def inspection(vit: VisionTransformer, images: torch.Tensor, mean, std) -> tuple[dict[str, torch.Tensor], dict]:
+    """The four pictures of a plain ViT on normalised `images` (B, 3, H, W), and the numbers behind them.
+
+    Returns:
+        ({name: (3, H, W) picture} for filters, position_similarity, attention_distance, attention_rollout, and
+        {"grid", "patch", "images", "filter_variance_share", "mean_attention_distance_px" [block][head],
+        "position_similarity" N x N}).
+    """
+    grid, patch = tuple(vit.patch_embed.grid_size), vit.patch_embed.patch_size[0]
+    num_prefix = vit.num_prefix_tokens
+    attentions = attention_weights(vit, images.to(vit.patch_embed.proj.weight.dtype))
+    distances = patch_distances(grid, patch).to(images.device)
+    per_block = torch.stack([mean_attention_distance(a, distances, num_prefix) for a in attentions]).cpu()  # (L, H)
+    components, shares = filter_components(vit.patch_embed.proj.weight, NUM_COMPONENTS)
+    similarity = position_similarity(vit.pos_embed, 0 if vit.no_embed_class else num_prefix).cpu()
+    heat = output_token_map(attention_rollout(attentions), num_prefix, grid).cpu()
+    shown = images.float().cpu() * torch.tensor(std)[:, None, None] + torch.tensor(mean)[:, None, None]
+    pictures = {
+        "filters": filters_picture(components.cpu()),
+        "position_similarity": similarity_picture(similarity, grid),
+        "attention_distance": distance_picture(per_block, patch),
+        "attention_rollout": rollout_picture(shown.clamp(0, 1), heat),
+    }
+    numbers = {
+        "grid": list(grid), "patch": patch, "images": len(images), "filter_variance_share": shares.tolist(),
+        "mean_attention_distance_px": per_block.tolist(), "position_similarity": similarity.tolist(),
+    }  # fmt: skip
+    return pictures, numbers
+
+
+def inspectable(module: torch.nn.Module) -> bool:
+    """Whether `module` is a plain ViT with patch and position embeddings (what `inspection` reads)."""
+    return (
+        isinstance(module, VisionTransformer)
+        and isinstance(module.patch_embed, PatchEmbed)
+        and module.pos_embed is not None
+    )

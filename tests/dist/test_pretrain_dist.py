@@ -72,6 +72,8 @@ def test_resume_gives_the_same_next_losses(zero2_run, tmp_path):
     assert first.count(hparams_metadata.SESSION_START_INFO_TAG) == 1
     assert hparams_metadata.SESSION_START_INFO_TAG not in resumed
     assert first.count("train/reconstruction") == 3 and resumed.count("train/reconstruction") == 2  # 1, 3, 6; 4, 6
+    for name in ("filters", "position_similarity", "attention_distance", "attention_rollout"):  # the ViT paper's
+        assert first.count(f"inspect/{name}") == 3 and resumed.count(f"inspect/{name}") == 2
 
     # W&B: the resumed launch continues the run's W&B run in a folder of its own (its metrics.jsonl was removed
     # above, so nothing counts as sent already and steps 4-6 go to W&B again)

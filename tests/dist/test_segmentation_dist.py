@@ -13,6 +13,7 @@ import safetensors.torch
 import timm
 import torch
 from PIL import Image
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from core.report.metrics import confusion_counts, segmentation_scores
 from data.__main__ import main as data_main
@@ -68,6 +69,9 @@ def test_upernet_finetunes_from_an_mae_export_and_exports_encoder_and_head(zero2
     assert all(0.0 <= m["val/miou"] <= 1.0 and 0.0 < m["val/pixel_acc"] <= 1.0 for m in evals)
     train = [m for m in read_metrics(tmp_path / "run") if "train/pixel_acc" in m]
     assert train and all(torch.isfinite(torch.tensor(m["train/loss"])) for m in train)
+    events = [EventFileLoader(str(f)).Load() for f in (tmp_path / "run" / "tb").glob("events.out.tfevents.*")]
+    tags = [value.tag for loaded in events for event in loaded for value in event.summary.value]
+    assert tags.count("inspect/attention_distance") == 2 and "val/segmentation" in tags  # steps 1 and 4 (the last)
 
     export = tmp_path / "run" / "export"
     manifest = json.loads((export / "mimpipe.json").read_text())
