@@ -1,10 +1,13 @@
 """The ViT paper's inspection of a trained encoder, as PNGs and numbers (core/report/vit_inspection.py).
 
     python -m finetune inspect EXPORT --images DIR_OR_SHARDS --out DIR [--num-images 8] [--device cpu]
+                               [--arch TIMM_NAME] [--num-heads N] [--trust-checkpoint]
 
 EXPORT is any of our exports of a plain ViT (pretraining, fine-tuning or segmentation: its config.json rebuilds the
-encoder in timm). Images are the first `--num-images` image files of a folder or samples of shards, resized to the
-encoder's input size and normalised with the export's recipe (ImageNet's statistics when it records none). DIR gets:
+encoder in timm), or any checkpoint the hand-off accepts (an official MAE or DeiT file, a timm state dict), rebuilt
+as `python -m finetune convert` does (`--arch`, `--num-heads` and `--trust-checkpoint` as there). Images are the
+first `--num-images` image files of a folder or samples of shards, resized to the encoder's input size and
+normalised with the export's recipe (ImageNet's statistics when it records none). DIR gets:
     filters.png              the first 28 principal components of the patch-embedding filters
     position_similarity.png  each position embedding's cosine similarity with every other, a grid of grids
     attention_distance.png   mean attention distance (px) of every head in every block, over the images
@@ -18,6 +21,7 @@ import argparse
 import itertools
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +34,7 @@ from torchvision.utils import save_image
 
 from core.export.manifest import MANIFEST_NAME
 from core.report.vit_pictures import inspectable, inspection
+from finetune.convert import convert
 from finetune.predict import read_images
 
 
@@ -41,9 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="folder for the pictures (created)")
     parser.add_argument("--num-images", type=int, default=8, help="images to average over and draw (default: 8)")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--arch", default=None, help="a checkpoint's timm architecture (as `finetune convert`)")
+    parser.add_argument("--num-heads", type=int, default=None, help="a checkpoint's attention heads (as `convert`)")
+    parser.add_argument("--trust-checkpoint", action="store_true", help="allow a full unpickle (as `convert`)")
     args = parser.parse_args(argv)
     try:
-        vit, mean, std = load_vit(args.export)
+        if not (args.export / "config.json").is_file():  # a checkpoint: rebuilt as an export first
+            with tempfile.TemporaryDirectory() as tmp:
+                convert(args.export, Path(tmp) / "export", arch=args.arch, num_heads=args.num_heads,
+                        trust_checkpoint=args.trust_checkpoint)  # fmt: skip
+                vit, mean, std = load_vit(Path(tmp) / "export")
+        else:
+            vit, mean, std = load_vit(args.export)
         images = load_images(args.images, args.num_images, vit.patch_embed.img_size)
         numbers = inspect(vit.to(args.device), images.to(args.device), mean, std, args.out)
     except ValueError as e:

@@ -52,6 +52,17 @@ def test_an_encoder_without_patch_and_position_embeddings_is_refused(tmp_path, i
     vt = timm.create_model("vt_resnet18", num_classes=0, token_dim=64)
     export = export_model(vt, tmp_path / "export", model_args=model_args(vt), manifest={})
     assert inspect_main([str(export), "--images", str(images), "--out", str(tmp_path / "out")]) == 2
-    assert "holds a VTResNet (no ViT); inspection needs a plain ViT" in capsys.readouterr().err
-    assert inspect_main([str(tmp_path), "--images", str(images), "--out", str(tmp_path / "out")]) == 2
-    assert "is not an export folder (no config.json)" in capsys.readouterr().err
+    assert "holds a VTResNet; inspection needs a plain ViT" in capsys.readouterr().err
+    assert inspect_main([str(tmp_path / "none.pth"), "--images", str(images), "--out", str(tmp_path / "out")]) == 2
+    assert "none.pth" in capsys.readouterr().err
+
+
+def test_a_checkpoint_in_another_layout_is_rebuilt_as_convert_does(tmp_path, images):
+    torch.manual_seed(0)
+    vit = build_vit("tiny", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=0)
+    torch.save({"model": vit.state_dict()}, tmp_path / "checkpoint.pth")  # the official MAE / DeiT wrapping
+    out = tmp_path / "out"
+    assert inspect_main([str(tmp_path / "checkpoint.pth"), "--images", str(images), "--out", str(out),
+                         "--num-heads", "4"]) == 0  # fmt: skip
+    numbers = json.loads((out / "inspection.json").read_text())
+    assert numbers["grid"] == [4, 4] and torch.tensor(numbers["mean_attention_distance_px"]).shape == (2, 4)
