@@ -1,6 +1,6 @@
 """Linear probe by L-BFGS: multinomial logistic regression on frozen features, fitted full batch.
 
-    python -m finetune.lbfgs_probe RECIPE [section.key=value ...] --out probe.json [--max-train N]
+    python -m finetune.lbfgs_probe RECIPE [section.key=value ...] --out probe.json [--max-train N] [--fewshot 1,5,10,25]
 
 The encoder a fine-tuning recipe describes (`model.init` loaded by the same hand-off as fine-tuning, or a random
 init without one) embeds `data.train` and `data.val` once, in eval mode, without augmentation (`eval_transform`).
@@ -10,6 +10,10 @@ on a held-out part of the training set (a seeded 10%), the probe is refitted on 
 decay, and its top-1 on `data.val` is reported. This is the protocol of the issue's reference (scikit-learn's
 L-BFGS logistic regression on mean-pooled features); fitted full batch, it has no learning rate or schedule to tune,
 unlike the SGD/LARS probe of `objective.mode: linear_probe`.
+
+`--fewshot` adds the ViT paper's few-shot linear evaluation on the same features (core/report/fewshot.py): for each
+number of images per class, a closed-form least-squares fit to {-1, 1} targets on 3 drawn support sets of the
+training features, regularisation chosen by leave-one-out, top-1 on data.val averaged over the draws.
 
 Shapes: N samples, D feature width, C classes.
 """
@@ -29,6 +33,7 @@ from core.engine.precision import autocast_context
 from core.export.handoff import load_encoder
 from core.models.build import build_model
 from core.recipe.config import load_config
+from core.report.fewshot import fewshot_correct
 from data.device import batch_to_device
 from data.pipeline import make_eval_loader
 from data.specs import dataset_classes, resolve_shards
@@ -172,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         result[name] = probe((train[name], train_labels), (test[name], test_labels), num_classes=len(classes))
         result[name]["fit_seconds"] = time.perf_counter() - start
         print(f"[mimpipe] lbfgs probe {name}: test top1 {result[name]['top1']:.4f} (wd {result[name]['weight_decay']})")
+        for shots in args.fewshot:
+            correct = fewshot_correct(
+                train[name], train_labels, test[name], test_labels, shots=shots, num_classes=len(classes)
+            )
+            top1 = float(correct.mean()) / len(test_labels)
+            result[name].setdefault("fewshot_top1", {})[str(shots)] = top1
+            print(f"[mimpipe] few-shot {name}: {shots} per class, test top1 {top1:.4f} (mean of {len(correct)} draws)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
@@ -183,6 +195,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.init=runs/x/export")
     parser.add_argument("--out", required=True, help="JSON file for the results")
     parser.add_argument("--max-train", type=int, help="fit on at most this many training samples (default: all)")
+    parser.add_argument(
+        "--fewshot", type=lambda text: [int(n) for n in text.split(",") if n], default=[],
+        help="also few-shot linear evaluation with these images per class, e.g. 1,5,10,25 (the ViT paper's)",
+    )  # fmt: skip
     return parser
 
 

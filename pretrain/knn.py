@@ -3,7 +3,8 @@
 Every `eval.knn.every_steps` the encoder (eval mode, no gradients, the run's precision) embeds a labelled bank and a
 labelled query set; each query is classified by a weighted vote of its k most similar bank features, as in DINO
 (`eval_knn.py`): cosine similarity of L2-normalised features, each neighbour voting for its class with weight
-exp(similarity / temperature). Logged: `knn/top1`, `knn/top5`, `knn/seconds` and the two set sizes.
+exp(similarity / temperature). Logged: `knn/top1`, `knn/top5`, `knn/seconds` and the two set sizes. With
+`eval.knn.fewshot`, the same features also give the ViT paper's few-shot linear accuracy (`fewshot/top1_{n}shot`).
 
 Distributed: each rank embeds its own shards of both sets (`make_eval_loader`: every sample on exactly one rank), the
 bank features are gathered on every rank, each rank classifies its own queries and the correct counts are summed,
@@ -35,6 +36,7 @@ from core.engine import preempt
 from core.engine.distributed import DistInfo, all_gather_rows, all_reduce
 from core.engine.precision import autocast_context, to_device
 from core.recipe.sections import KNNConfig
+from core.report.fewshot import fewshot_correct
 from core.report.metrics import topk_correct
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
@@ -203,8 +205,13 @@ def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
         top_label = torch.cat([bank_labels, query_labels, bank_labels.new_zeros(1)]).max().reshape(1)
         num_classes = int(all_reduce(top_label, op="max").item()) + 1
         correct = KNNBank(bank, bank_labels, knn.k, knn.temperature, num_classes).correct(queries, query_labels)
-        sums = all_reduce(torch.cat([correct, correct.new_tensor([len(queries)])]))  # top1, top5, queries
-        top1, top5, num_queries = sums.tolist()
+        # few-shot: every rank fits the same support sets of the (gathered) bank and scores its own queries
+        shots = [
+            fewshot_correct(bank, bank_labels, queries, query_labels, shots=n, num_classes=num_classes).mean()
+            for n in knn.fewshot
+        ]
+        counts = torch.cat([correct, correct.new_tensor([len(queries), *[float(c) for c in shots]])])
+        top1, top5, num_queries, *fewshot = all_reduce(counts).tolist()  # summed over ranks
         metrics = {
             "knn/top1": top1 / max(num_queries, 1),
             "knn/top5": top5 / max(num_queries, 1),
@@ -212,6 +219,7 @@ def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
             "knn/query_samples": float(num_queries),
             "knn/seconds": time.perf_counter() - start,
         }
+        metrics |= {f"fewshot/top1_{n}shot": c / max(num_queries, 1) for n, c in zip(knn.fewshot, fewshot, strict=True)}
         run.logger.console(
             f"[mimpipe] step {step} knn: top1 {metrics['knn/top1']:.4f}  top5 {metrics['knn/top5']:.4f}  "
             f"({len(bank)} bank, {num_queries} queries, k {knn.k}, {knn.pooling} pooling, "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PositiveInt, Tag, model_validator
 
 
 class Section(BaseModel):
@@ -282,6 +282,10 @@ class KNNConfig(Section):
     """The image's feature: the class token after the final norm, or the mean of the patch tokens after it."""
     batch_size_per_device: int = Field(256, gt=0)
     """Samples per device in one embedding batch of the bank or the queries."""
+    fewshot: list[PositiveInt] = Field(default_factory=list)
+    """Also the ViT paper's few-shot linear evaluation on the same features: per count n, 3 support sets of n bank
+    images per class, each a closed-form least-squares fit to {-1, 1} targets (core/report/fewshot.py), top-1 on the
+    queries averaged over the draws as `fewshot/top1_{n}shot` (the paper: 1, 5, 10, 25). Empty: off."""
 
 
 class TrainSource(Section):

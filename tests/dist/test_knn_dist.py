@@ -37,12 +37,16 @@ def assert_knn_figures(run_dir, *, num_queries: int = NUM_VAL) -> None:
 def test_zero2_bf16_monitor_logs_and_leaves_training_identical(zero2_run, shards, tmp_path):
     """The same recipe as the `zero2_run` fixture plus eval.knn: every step's loss is identical."""
     plain_dir, _ = zero2_run
-    recipe = pretrain_recipe(shards, tmp_path / "run", eval=knn_section(shards))
+    recipe = pretrain_recipe(shards, tmp_path / "run", eval=knn_section(shards, fewshot=[1, 5]))
     proc = launch(write_recipe(tmp_path / "tiny_mae_knn.yaml", recipe))
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert losses(tmp_path / "run") == losses(plain_dir)
     assert sorted(losses(plain_dir)) == [1, 2, 3, 4, 5, 6]
     assert_knn_figures(tmp_path / "run")
+    for metrics in knn_metrics(tmp_path / "run").values():  # few-shot: 3 draws, every query counted once
+        for n in (1, 5):
+            correct = metrics[f"fewshot/top1_{n}shot"] * NUM_VAL * 3
+            assert 0 <= correct <= NUM_VAL * 3 and abs(correct - round(correct)) < 1e-6
     assert f"[mimpipe] step 4 knn: top1 {knn_metrics(tmp_path / 'run')[4]['knn/top1']:.4f}" in proc.stdout
     events = next((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
     tags = [value.tag for event in EventFileLoader(str(events)).Load() for value in event.summary.value]

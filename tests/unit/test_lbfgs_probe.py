@@ -69,3 +69,23 @@ def test_features_are_the_normed_class_token_and_the_mean_of_the_normed_patch_to
     torch.testing.assert_close(features["cls"], tokens[:, 0])
     torch.testing.assert_close(features["mean"], tokens[:, 1:].mean(dim=1))
     assert labels.tolist() == [0, 1, 2, 3, 1, 0] and not vit.training
+
+
+def test_the_command_adds_few_shot_top1_per_pooling_and_shot_count(tmp_path):
+    """`--fewshot 1,3` on a random ViT's features of synthetic shards (4 classes): the mean of 3 draws per count."""
+    import json
+
+    from finetune.lbfgs_probe import main
+    from tests.launching import finetune_recipe, write_recipe, write_synthetic
+
+    shards = {split: write_synthetic(tmp_path / split, split, n, 20, seed) for split, n, seed in
+              (("train", 40, 0), ("val", 20, 1))}  # fmt: skip
+    recipe = finetune_recipe(shards, tmp_path / "run", tmp_path / "none")
+    recipe["model"].pop("init")
+    out = tmp_path / "probe.json"
+    assert main([str(write_recipe(tmp_path / "probe.yaml", recipe)), "--out", str(out), "--fewshot", "1,3"]) == 0
+    result = json.loads(out.read_text())
+    for pooling in ("cls", "mean"):
+        fewshot = result[pooling]["fewshot_top1"]
+        assert set(fewshot) == {"1", "3"} and all(0.0 <= v <= 1.0 for v in fewshot.values())
+        assert all(abs(v * 20 * 3 - round(v * 20 * 3)) < 1e-6 for v in fewshot.values())  # 3 draws of 20 queries
