@@ -112,14 +112,15 @@ def embed(
 
     Args:
         encoder: As for `pooled_features`.
-        batches: This rank's batches, "image" (B, 3, H, W) and "label" (B,); possibly none.
+        batches: This rank's batches, "image" (B, 3, H, W) and "label" (B,) (none for unlabelled images); possibly
+            none.
         dist: This process's place in the group.
         precision: "fp32", "bf16" (autocast) or "fp16" (half inputs), as for training.
         pooling: "cls" or "mean".
         image_shape: (3, H, W) of the images: the shape of the zero batch a rank that has run out forwards.
 
     Returns:
-        (n, D) float32 features on `dist.device` and their (n,) int64 labels.
+        (n, D) float32 features on `dist.device` and their (n,) int64 labels (empty for unlabelled batches).
 
     Raises:
         preempt.StopAgreed: On every rank, when some rank received SIGTERM during the pass.
@@ -140,7 +141,9 @@ def embed(
             pooled = pooled_features(encoder, inputs["image"], pooling).float()  # (B, D)
         if batch is not None:  # a stand-in is forwarded only to keep ZeRO-3 in step
             features.append(F.normalize(pooled, dim=-1))
-            labels.append(inputs["label"])
+            labels.append(
+                inputs["label"] if "label" in inputs else torch.zeros(0, dtype=torch.int64, device=dist.device)
+            )
     if not features:
         width = encoder.embed_dim
         return torch.zeros(0, width, device=dist.device), torch.zeros(0, dtype=torch.int64, device=dist.device)

@@ -13,7 +13,7 @@ from core.engine.stream import train_stream
 from core.export.folder import export_state_dict
 from pretrain.export import main as export_main
 from pretrain.export import pretrain_manifest
-from pretrain.knn import knn_monitor
+from pretrain.feature_monitor import monitors
 from pretrain.objectives import objective_builder, train_transform
 from pretrain.pictures import picture_hook
 from pretrain.train_tokenizer import train_tokenizer
@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     # paper's inspection of the encoder
     log_images = both(picture_hook(run, engine), inspection_hook(run, engine.module))
 
-    # Loop, with the kNN monitor when eval.knn.enabled (every eval.knn.every_steps and at the last step)
-    hooks = LoopHooks(evaluate=knn_monitor(run, engine), log_images=log_images)
+    # Loop, with the kNN monitor (eval.knn) and the label-free one (eval.features), each every its every_steps and at
+    # the last step
+    hooks = LoopHooks(evaluate=monitors(run, engine), log_images=log_images)
     code = run_loop(run, engine, optimizer, batches, hooks)
     if code:
         return code

@@ -23,6 +23,7 @@ from core.recipe.sections import (
     AugmentConfig,
     BEiTObjective,
     DistillConfig,
+    FeatureMonitorConfig,
     KNNConfig,
     MAEObjective,
     Objective,
@@ -347,6 +348,8 @@ class EvalConfig(Section):
     """At the end: per-class accuracy table (console, TensorBoard text) and confusion matrix (TensorBoard image)."""
     knn: KNNConfig = KNNConfig()
     """Pretraining: the kNN monitor (knn.every_steps says how often it runs)."""
+    features: FeatureMonitorConfig = FeatureMonitorConfig()
+    """Pretraining: the label-free monitor (features.every_steps says how often it runs)."""
 
 
 class Config(Section):
@@ -412,6 +415,8 @@ class Config(Section):
             )
         if self.eval.knn.enabled:
             self._check_knn()
+        if self.eval.features.enabled and self.stage != "pretrain":
+            raise ValueError(f"eval.features needs stage pretrain, not {self.stage!r} (it watches an encoder train)")
         if isinstance(self.objective, SegmentationObjective):
             self._check_segmentation()
         if self.data.global_batch_size % self.engine.grad_accum_steps:
@@ -471,9 +476,13 @@ class Config(Section):
 
     @property
     def eval_every_steps(self) -> int:
-        """How often the loop evaluates (besides the last step): the kNN monitor's `eval.knn.every_steps` when
-        pretraining, else `eval.every_steps` (0: only at the last step)."""
-        return self.eval.knn.every_steps if self.stage == "pretrain" else self.eval.every_steps
+        """How often the loop evaluates (besides the last step): when pretraining, often enough for each monitor that
+        is on (the greatest common divisor of `eval.knn.every_steps` and `eval.features.every_steps`; each runs at its
+        own multiples), else `eval.every_steps` (0: only at the last step)."""
+        if self.stage != "pretrain":
+            return self.eval.every_steps
+        monitors = [m.every_steps for m in (self.eval.knn, self.eval.features) if m.enabled]
+        return math.gcd(*monitors) if monitors else self.eval.knn.every_steps
 
     def batch_size_per_device(self, world_size: int) -> int:
         """Per-device micro-batch; raises ConfigError naming the key when the global batch does not split."""

@@ -288,6 +288,24 @@ class KNNConfig(Section):
     queries averaged over the draws as `fewshot/top1_{n}shot` (the paper: 1, 5, 10, 25). Empty: off."""
 
 
+class FeatureMonitorConfig(Section):
+    """The label-free monitor of pretraining: RankMe's effective rank and the spread of the normalised features of
+    unlabelled training images (core/report/collapse.py), with or without the kNN monitor."""
+
+    enabled: bool = False
+    """Run it: `features/effective_rank`, `features/std` (x sqrt(D): about 1 spread evenly, 0 collapsed)."""
+    every_steps: int = Field(1000, gt=0)
+    """Embed the images and compute both every N optimizer steps (and at the last step)."""
+    shards: str | list[str] | None = None
+    """Images to embed (labels unused); None: data.train (its first source's shards for a mixture)."""
+    max_samples: int = Field(2048, gt=0)
+    """Embed at most this many (spread over the shards as eval.knn's sets are; the effective rank is at most this)."""
+    pooling: Literal["cls", "mean"] = "cls"
+    """The image's feature, as eval.knn.pooling."""
+    batch_size_per_device: int = Field(256, gt=0)
+    """Samples per device in one embedding batch."""
+
+
 class TrainSource(Section):
     """One source of a training mixture (see `DataConfig.train`)."""
 

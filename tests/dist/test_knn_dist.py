@@ -78,3 +78,19 @@ def test_fp16_monitor_leaves_training_identical(shards, tmp_path):
         runs[name] = losses(tmp_path / name)
     assert runs["knn"] == runs["plain"] and sorted(runs["plain"]) == [1, 2, 3, 4, 5, 6]
     assert_knn_figures(tmp_path / "knn")
+
+
+def test_the_label_free_monitor_runs_without_labels_or_knn_and_leaves_training_identical(zero2_run, shards, tmp_path):
+    """eval.features alone (every 3 steps of 6): RankMe and the normalised spread of 200 training images."""
+    plain_dir, _ = zero2_run
+    features = {"enabled": True, "every_steps": 3, "max_samples": 200}
+    recipe = pretrain_recipe(shards, tmp_path / "run", eval={"features": features})
+    proc = launch(write_recipe(tmp_path / "tiny_mae_features.yaml", recipe))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert losses(tmp_path / "run") == losses(plain_dir)
+    found = {m["step"]: m for m in read_metrics(tmp_path / "run") if "features/effective_rank" in m}
+    assert sorted(found) == [3, 6] and not any("knn/top1" in m for m in read_metrics(tmp_path / "run"))
+    for metrics in found.values():
+        assert metrics["features/samples"] == 200  # each image on one rank, gathered once
+        assert 1.0 < metrics["features/effective_rank"] <= 32 and 0.0 < metrics["features/std"] <= 1.5  # D = 32
+    assert "[mimpipe] step 6 features: effective rank" in proc.stdout
