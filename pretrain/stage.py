@@ -17,6 +17,7 @@ from pretrain.feature_monitor import monitors
 from pretrain.objectives import objective_builder, train_transform
 from pretrain.pictures import picture_hook
 from pretrain.train_tokenizer import train_tokenizer
+from pretrain.warm_start import warm_started
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     # Data: the endless training stream, positioned where the resumed run left it
     batches = train_stream(run, train_transform(cfg), labels=False)
 
-    # Objective (same init on every rank) and engine
+    # Objective (same init on every rank; model.init warm-starts it) and engine
     seed_everything(cfg.seed)
-    engine, optimizer = start_engine(run, objective_builder(cfg))
+    engine, optimizer = start_engine(run, warm_started(objective_builder(cfg), run))
 
     # Pictures of the objective's output on one fixed batch with fixed masks, comparable across steps, and the ViT
     # paper's inspection of the encoder

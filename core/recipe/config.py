@@ -415,6 +415,13 @@ class Config(Section):
             )
         if self.eval.knn.enabled:
             self._check_knn()
+        if self.model.init and self.stage == "tokenizer":
+            raise ValueError("model.init: the tokenizer stage trains a VQ-VAE from scratch; it reads no encoder")
+        if self.model.init and self.stage == "pretrain" and self.engine.zero_stage == 3:
+            raise ValueError(
+                "model.init (a warm start) is loaded into the built objective, which ZeRO-3 partitions as it builds "
+                "it; warm-start with engine.zero_stage 0-2"
+            )
         if self.eval.features.enabled and self.stage != "pretrain":
             raise ValueError(f"eval.features needs stage pretrain, not {self.stage!r} (it watches an encoder train)")
         if isinstance(self.objective, SegmentationObjective):

@@ -53,8 +53,9 @@ class ModelConfig(Section):
     """Fine-tuning pooling: cls token, or average of patch tokens + fc_norm (MAE's fine-tuning default); auto takes
     the init export's `pooling_hint` (else the cls token). Pretraining always uses the cls-token layout."""
     init: str | None = None
-    """Fine-tuning: weights to start from: our export folder, an official MAE/DeiT checkpoint, a timm state dict
-    (.pth/.bin/.safetensors); see core/export/handoff.py."""
+    """Weights to start from: our export folder, an official MAE/DeiT checkpoint, a timm state dict
+    (.pth/.bin/.safetensors); see core/export/handoff.py. Pretraining continues from them (warm start: the encoder,
+    and the decoder when the file holds one in MAE's layout; pretrain/warm_start.py)."""
     trust_checkpoint: bool = False
     """Allow unpickling non-tensor objects from `init` (official MAE checkpoints carry argparse args). Only for files
     you trust: a pickle can run code."""

@@ -155,3 +155,17 @@ def test_zero0_and_zero2_give_the_same_losses_and_grad_norms(zero2_run, shards, 
         assert math.isclose(a, b, rel_tol=2e-3), (norms(tmp_path / "run"), norms(run_dir))
     for step, loss in losses(tmp_path / "run").items():
         assert math.isclose(loss, losses(run_dir)[step], rel_tol=2e-3), (losses(tmp_path / "run"), losses(run_dir))
+
+
+def test_pretraining_warm_starts_from_an_export_with_a_fresh_decoder(zero2_run, shards, tmp_path):
+    """model.init in a pretraining recipe (2 ranks, ZeRO-2): the encoder comes from the export, the decoder and mask
+    token are fresh (an export holds the encoder only), and the run reports it."""
+    run_dir, _ = zero2_run
+    recipe = pretrain_recipe(shards, tmp_path / "run", model={"init": str(run_dir / "export")})
+    proc = launch(write_recipe(tmp_path / "warm.yaml", recipe))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert f"[mimpipe] warm start from {run_dir / 'export'}" in proc.stdout
+    report = json.loads((tmp_path / "run" / "load_report.json").read_text())
+    assert report["objective_loaded"] == [] and "decoder_pred.weight" in report["objective_fresh"]
+    assert "blocks.0.attn.qkv.weight" in report["loaded"]
+    assert losses(tmp_path / "run")[1] < losses(run_dir)[1]  # the first step starts from the trained encoder

@@ -1,0 +1,71 @@
+"""Warm-started pretraining: `model.init` in a pretraining recipe continues from released or earlier weights.
+
+The encoder is loaded by fine-tuning's hand-off (core/export/handoff.py: our export, an official MAE or DeiT
+checkpoint, a timm state dict; the position embedding resized to the recipe's grid, the patch kernel to its patch
+size), and every other tensor of the objective (MAE's decoder and mask token, a BEiT-style head, SimMIM's mask token
+and head) is taken from the checkpoint when it holds one of that name and shape: the official MAE layout
+(`models_mae.py`) uses our names, so its decoder comes along; a plain encoder leaves them fresh. The optimizer state is
+fresh and the schedule's warmup applies. The console and run_dir/load_report.json list what was loaded, resized and
+left fresh. A run that resumes from its own checkpoint loads it afterwards, which wins (run_dir, then init, then
+scratch).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from core.export.handoff import load_encoder
+from core.export.read import read_checkpoint
+
+ENCODER = "encoder."
+
+
+def warm_started(build: Callable[[], nn.Module], run) -> Callable[[], nn.Module]:
+    """`build` followed by the warm start of what it builds, when the recipe names `model.init` (else `build`)."""
+    if not run.cfg.model.init:
+        return build
+
+    def build_and_load() -> nn.Module:
+        objective = build()
+        warm_start(objective, run)
+        return objective
+
+    return build_and_load
+
+
+def warm_start(objective: nn.Module, run) -> dict:
+    """Load `model.init` into `objective` (its `encoder` by the hand-off, the rest by name and shape); report it on
+    the console and in run_dir/load_report.json. Returns the report as a dict.
+
+    Raises:
+        ValueError: As the hand-off does: an unreadable file, or an encoder of another architecture (naming the keys).
+    """
+    m = run.cfg.model
+    report = load_encoder(
+        objective.encoder, m.init, head_init="keep", pos_embed_resize=m.pos_embed_resize,
+        trust_checkpoint=m.trust_checkpoint,
+    )  # fmt: skip
+    state = read_checkpoint(m.init, trust=m.trust_checkpoint).state
+    own = {k: v for k, v in objective.state_dict().items() if not k.startswith(ENCODER)}
+    loaded = {k: state[k] for k, v in own.items() if k in state and tuple(state[k].shape) == tuple(v.shape)}
+    mismatched = [f"{k}: checkpoint {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+                  if k in state and k not in loaded]  # fmt: skip
+    with torch.no_grad():
+        objective.load_state_dict(loaded, strict=False)
+    fresh = [k for k in own if k not in loaded]
+    report.dropped = [k for k in report.dropped if k not in loaded]  # the hand-off's leftovers the objective took
+    lines = [
+        f"[mimpipe] warm start from {m.init} (optimizer state fresh, warmup applies)",
+        report.format(),
+        f"objective beside the encoder: {len(loaded)} tensors loaded, {len(fresh)} fresh"
+        + (f" ({', '.join(mismatched[:4])})" if mismatched else ""),
+    ]
+    run.logger.console("\n".join(lines))
+    result = {**report.as_dict(), "objective_loaded": sorted(loaded), "objective_fresh": fresh}
+    if run.dist.is_main:
+        (run.run_dir / "load_report.json").write_text(json.dumps(result, indent=2))
+    return result

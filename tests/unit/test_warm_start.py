@@ -1,0 +1,84 @@
+"""Warm-started pretraining: an official-layout MAE state dict (encoder and decoder) gives our MAE the same loss as
+the model that wrote it, a trained encoder starts well below a fresh one, and a plain encoder leaves the decoder
+fresh."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+from core.recipe.config import load_config
+from pretrain.objectives import objective_builder
+from pretrain.warm_start import warm_start
+
+TINY = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.img_size=16", "model.patch_size=4",
+        "objective.decoder_embed_dim=16", "objective.decoder_depth=1", "objective.decoder_num_heads=2"]  # fmt: skip
+
+
+def fake_run(tmp_path, init):
+    cfg = load_config(None, [*TINY, f"model.init={init}"])
+    lines = []
+    logger = SimpleNamespace(console=lines.append)
+    return SimpleNamespace(cfg=cfg, logger=logger, dist=SimpleNamespace(is_main=True), run_dir=tmp_path), lines
+
+
+def build(seed: int):
+    torch.manual_seed(seed)
+    return objective_builder(load_config(None, TINY))()
+
+
+def loss_on(objective, images) -> float:
+    torch.manual_seed(123)  # the same random mask
+    with torch.no_grad():
+        return float(objective({"image": images})["loss"])
+
+
+def official_layout(objective) -> dict:
+    """models_mae.py's checkpoint: encoder keys at the top level beside the decoder's, under "model"."""
+    state = {k.removeprefix("encoder."): v for k, v in objective.state_dict().items()}
+    state["decoder_pos_embed"] = objective.decoder_pos_embed  # a parameter there, a buffer here
+    return {"model": state, "epoch": 799}
+
+
+def test_an_official_layout_checkpoint_gives_the_same_loss_as_the_model_that_wrote_it(tmp_path):
+    source = build(seed=1)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # weights no fresh model has
+    torch.save(official_layout(source), tmp_path / "mae_official.pth")
+    images = torch.randn(4, 3, 16, 16)
+    target = build(seed=2)
+    run, lines = fake_run(tmp_path, tmp_path / "mae_official.pth")
+    report = warm_start(target, run)
+    assert loss_on(target, images) == loss_on(source, images)
+    assert "decoder_pred.weight" in report["objective_loaded"] and report["objective_fresh"] == []
+    assert "decoder_embed.weight" not in report["dropped"]  # taken by the objective, not left behind
+    assert lines[0].startswith("[mimpipe] warm start from") and "0 fresh" in lines[0]
+    assert json.loads((tmp_path / "load_report.json").read_text())["objective_loaded"] == report["objective_loaded"]
+
+
+def test_a_trained_encoder_starts_clearly_lower_and_a_bare_encoder_leaves_the_decoder_fresh(tmp_path):
+    torch.manual_seed(0)
+    images = torch.randn(16, 1, 16, 16).repeat(1, 3, 1, 1).cumsum(-1) / 4  # smooth, grey: something to learn
+    trained = build(seed=3)
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=3e-3)
+    for _ in range(150):
+        optimizer.zero_grad()
+        trained({"image": images})["loss"].backward()
+        optimizer.step()
+    torch.save(official_layout(trained), tmp_path / "trained.pth")
+    fresh, warm = build(seed=4), build(seed=4)
+    run, _ = fake_run(tmp_path, tmp_path / "trained.pth")
+    warm_start(warm, run)
+    assert loss_on(warm, images) == loss_on(trained, images) < 0.7 * loss_on(fresh, images)
+
+    encoder_only = {k: v for k, v in official_layout(trained)["model"].items() if not k.startswith(("decoder", "mask"))}
+    torch.save(encoder_only, tmp_path / "encoder.pth")
+    bare = build(seed=4)
+    run, lines = fake_run(tmp_path, tmp_path / "encoder.pth")
+    report = warm_start(bare, run)
+    assert report["objective_loaded"] == [] and "mask_token" in report["objective_fresh"]
+    assert torch.equal(bare.encoder.blocks[1].mlp.fc2.weight, trained.encoder.blocks[1].mlp.fc2.weight)
+    assert torch.equal(bare.decoder_pred.weight, fresh.decoder_pred.weight)  # the fresh init of seed 4
