@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from core.recipe.errors import ConfigError as ConfigError  # re-exported: callers catch it from here
 from core.recipe.errors import explain
+from core.recipe.ignored import check_ignored
 from core.recipe.model_config import ModelConfig, check_arch
 from core.recipe.sections import (
     OBJECTIVES_BY_STAGE,
@@ -422,6 +423,7 @@ class Config(Section):
                 "model.init (a warm start) is loaded into the built objective, which ZeRO-3 partitions as it builds "
                 "it; warm-start with engine.zero_stage 0-2"
             )
+        check_ignored(self, self.stage)
         if self.eval.features.enabled and self.stage != "pretrain":
             raise ValueError(f"eval.features needs stage pretrain, not {self.stage!r} (it watches an encoder train)")
         if isinstance(self.objective, SegmentationObjective):

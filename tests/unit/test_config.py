@@ -210,6 +210,10 @@ def test_a_resnet_takes_the_fpn_heads_at_their_width():
         (SEG_FPN + ["engine.zero_stage=3"], "model.arch resnet needs engine.zero_stage 0-2"),
         (["model.init=x", "engine.zero_stage=3"], "warm-start with engine.zero_stage 0-2"),
         (["stage=tokenizer", "model.init=x"], "the tokenizer stage trains a VQ-VAE from scratch"),
+        (["augment.mixup=0.8"], "augment.mixup is set, but stage pretrain does not read it"),
+        (["model.num_classes=10"], "model.num_classes is set, but stage pretrain does not read it"),
+        (["eval.every_steps=5"], "eval.every_steps is set, but stage pretrain does not read it: pretraining evaluates"),
+        (["stage=tokenizer", "objective.kind=vqvae", "model.size=large"], "model.size is set, but stage tokenizer"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):
@@ -255,6 +259,11 @@ def test_two_level_base_is_refused(tmp_path):
     (tmp_path / "c.yaml").write_text("base: b.yaml\n")
     with pytest.raises(ConfigError, match="at most one parent"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_a_key_a_stage_ignores_passes_at_its_default_as_a_config_dump_holds_it():
+    cfg = load_config(None, ["augment.mixup=0.0", "model.num_classes=null", "distill.kind=none"])
+    assert cfg.stage == "pretrain" and cfg.augment.mixup == 0.0
 
 
 def test_dump_round_trips(tmp_path):
