@@ -155,7 +155,7 @@ bench-quality: quickstart-data
 	$(PY) -m benchmarks.bench_quality --shards $(SHARDS) $(QUALITY_ARGS)
 
 # Segmentation (issue 29): UperNet and the linear probe from an MAE encoder against scratch, VT-FPN against panoptic FPN
-# on the Fashion-MNIST scenes, and both FPNs' parameters and GMACs: about an hour on 2 cores, resumable.
+# on the Fashion-MNIST scenes, and both FPNs' parameters and GMACs: about 1.5 hours on 2 cores, resumable.
 # benchmarks/results/segmentation.md. SEG_ARGS: e.g. --scale 0.05 for a smoke run.
 bench-seg: quickstart-seg-data
 	$(PY) -m benchmarks.bench_seg --scenes $(SCENES) $(SEG_ARGS)

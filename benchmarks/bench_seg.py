@@ -2,7 +2,7 @@
 and of the linear probe from an MAE encoder against the same ViT from scratch at an equal budget, and VT-FPN against
 panoptic FPN on the same ResNet; then both FPNs' parameters and GMACs (benchmarks/seg_costs.py).
 
-    .venv/bin/python -m benchmarks.bench_seg                    # the protocol: about an hour on 2 CPU cores
+    .venv/bin/python -m benchmarks.bench_seg                    # the protocol: about 1.5 hours on 2 CPU cores
     .venv/bin/python -m benchmarks.bench_seg --scale 0.05       # a smoke run of minutes
 
 Every arm is `./launch.sh RECIPE overrides` as a user runs it, in `ROOT/{arm}`, one process; an arm whose
@@ -12,6 +12,7 @@ at 64 px with 8 px patches (an 8x8 grid), for every arm that has one:
                         the ViT above, 1,000 steps of 256, raw-pixel targets (norm_pix_loss off: standardising each
                         patch turns the canvas's noise into targets nothing can predict, and the loss stalls near 1)
     upernet_{mae,scratch}        recipes/quickstart_seg.yaml with the ViT above, from the MAE export or from scratch
+    upernet_frozen_{mae,random}  the same with the encoder frozen (a random one for `random`): what the head does alone
     linear_{mae,random}          the same with the linear head on the frozen encoder (a random one for `random`)
     {fpn,vt_fpn}_r18             panoptic FPN and VT-FPN on a ResNet-18 from scratch, same data, steps and optimizer
 Each fine-tuning arm runs 600 steps of 32 (~5 epochs) and is scored by its best mIoU on the 500 validation scenes
@@ -58,6 +59,8 @@ ARMS = (
     Arm("mae", "quickstart.yaml", tuple(PRETRAIN)),
     Arm("upernet_mae", "quickstart_seg.yaml", tuple(VIT), needs_export=True),
     Arm("upernet_scratch", "quickstart_seg.yaml", (*VIT, "model.init=null")),
+    Arm("upernet_frozen_mae", "quickstart_seg.yaml", (*VIT, "objective.freeze_encoder=true"), needs_export=True),
+    Arm("upernet_frozen_random", "quickstart_seg.yaml", (*VIT, "objective.freeze_encoder=true", "model.init=null")),
     Arm("linear_mae", "quickstart_seg.yaml", (*VIT, *LINEAR), needs_export=True),
     Arm("linear_random", "quickstart_seg.yaml", (*VIT, *LINEAR, "model.init=null")),
     Arm("fpn_r18", "quickstart_seg.yaml", (*RESNET, "objective.head=fpn", "model.init=null")),
@@ -65,6 +68,7 @@ ARMS = (
 )
 ROWS = (
     ("UperNet, fine-tuned", "upernet_mae", "upernet_scratch"),
+    ("UperNet, encoder frozen", "upernet_frozen_mae", "upernet_frozen_random"),
     ("linear head, encoder frozen", "linear_mae", "linear_random"),
 )
 

@@ -33,6 +33,8 @@ def test_the_arms_compare_one_vit_and_one_budget():
     }
     assert cfgs["upernet_mae"].model.init == "/tmp/bench_seg/mae/export" and cfgs["upernet_scratch"].model.init is None
     assert cfgs["linear_mae"].objective.freeze_encoder and cfgs["linear_random"].objective.freeze_encoder
+    assert cfgs["upernet_frozen_mae"].objective.freeze_encoder and cfgs["upernet_frozen_random"].model.init is None
+    assert cfgs["upernet_frozen_mae"].objective.head == "upernet"
     assert cfgs["linear_random"].model.init is None and cfgs["linear_mae"].objective.head == "linear"
     assert {cfgs[n].objective.head for n in ("fpn_r18", "vt_fpn_r18")} == {"fpn", "vt_fpn"}
     assert cfgs["fpn_r18"].model.arch == cfgs["vt_fpn_r18"].model.arch == "resnet"
