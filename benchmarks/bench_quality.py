@@ -40,7 +40,7 @@ from benchmarks.quality_report import (
     summarise_run,
 )
 from benchmarks.smoke_measure import launch
-from benchmarks.workers import machine_lines
+from benchmarks.workers import arms_header, write_result
 from core.launch.rundir import flatten
 from core.recipe.config import load_config
 from data.subset import write_per_class_subset
@@ -237,19 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     results = collect(args.root)
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count())
     command = " ".join(["python", "-m", "benchmarks.bench_quality", *argv])
-    header = [f"Command: `{command}` (scale {args.scale:g}, seeds {args.seeds})", "", *machine_lines(threads)]
-    if args.scale != 1:
-        header += ["", f"**A smoke run: every step count x {args.scale:g}; the numbers say nothing about quality.**"]
-    if tried := variant_lines(encoders_in(results)):
-        header += ["", "Variants (settings tried; each row names its recipe):", "", *tried]
-    unrun = [f"{name} ({what})" for name, what in outcome.items() if what in ("failed", "blocked")]
-    header += ["", f"Not finished: {', '.join(unrun)}"] if unrun else []
+    tried = variant_lines(encoders_in(results))
+    extra = ["", "Variants (settings tried; each row names its recipe):", "", *tried] if tried else []
+    note = f" (scale {args.scale:g}, seeds {args.seeds})"
+    header = arms_header(command, threads, args.scale, outcome, note=note, extra=extra)
     text = render(results, header=header, plot_note=plot(results, args.out.with_suffix(".png")))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
-    print(f"[bench-quality] written to {args.out}")
-    return 1 if unrun else 0
+    write_result(text, args.out, "bench-quality")
+    return 1 if any(what in ("failed", "blocked") for what in outcome.values()) else 0
 
 
 if __name__ == "__main__":

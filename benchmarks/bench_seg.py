@@ -30,7 +30,7 @@ from pathlib import Path
 
 from benchmarks.seg_costs import render as render_costs
 from benchmarks.smoke_measure import launch, read_metrics
-from benchmarks.workers import machine_lines
+from benchmarks.workers import arms_header, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "segmentation.md"
@@ -182,17 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count())
     command = " ".join(["python -m benchmarks.bench_seg", *argv])
-    header = [f"Command: `{command}`", "", *machine_lines(threads)]
-    if args.scale != 1:
-        header += ["", f"**A smoke run: every step count x {args.scale:g}; the numbers say nothing about quality.**"]
-    unrun = [f"{name} ({what})" for name, what in outcome.items() if what in ("failed", "blocked")]
-    header += ["", f"Not finished: {', '.join(unrun)}"] if unrun else []
-    text = render(results, header)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
-    print(f"[bench-seg] written to {args.out}")
-    return 1 if unrun else 0
+    header = arms_header(command, threads, args.scale, outcome)
+    write_result(render(results, header), args.out, "bench-seg")
+    return 1 if any(what in ("failed", "blocked") for what in outcome.values()) else 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import platform
 import subprocess
 import sys
 import tarfile
+from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 
@@ -49,6 +50,27 @@ def machine_lines(threads: int) -> list[str]:
         f"- torch {torch.__version__}, deepspeed {version('deepspeed')}, timm {version('timm')}, "
         f"python {platform.python_version()}, {' '.join(platform.libc_ver())}",
     ]
+
+
+def arms_header(
+    command: str, threads: int, scale: float, outcome: dict[str, str], *, note: str = "", extra: Sequence[str] = ()
+) -> list[str]:
+    """The head of a resumable benchmark's result file: the command (and `note` after it), the machine, a smoke
+    run's warning (`scale` < 1), `extra` lines, and the arms `outcome` says failed or were blocked."""
+    header = [f"Command: `{command}`{note}", "", *machine_lines(threads)]
+    if scale != 1:
+        header += ["", f"**A smoke run: every step count x {scale:g}; the numbers say nothing about quality.**"]
+    header += list(extra)
+    unrun = [f"{name} ({what})" for name, what in outcome.items() if what in ("failed", "blocked")]
+    return header + (["", f"Not finished: {', '.join(unrun)}"] if unrun else [])
+
+
+def write_result(text: str, out: Path, tag: str) -> None:
+    """Write a benchmark's markdown to `out` (folders made) and show it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    print(f"[{tag}] written to {out}")
 
 
 def extract_tree(rev: str, scratch: Path) -> Path:
