@@ -52,6 +52,8 @@ def _recipe(stage: str, run_dir: Path, fmnist, objective: dict, **sections) -> d
         "checkpoint": {"every_steps": 100},
         "logging": {"every_steps": 1, "image_every_steps": 8},
     }
+    if stage == "tokenizer":  # the VQ-VAE's shape is its objective's; a model section would be refused as unread
+        del recipe["model"]
     for key, value in sections.items():
         recipe[key] = {**recipe.get(key, {}), **value}
     return recipe

@@ -163,7 +163,9 @@ def test_config_defaults_and_values():
     knn = cfg.eval.knn
     assert (knn.k, knn.temperature, knn.pooling, knn.every_steps) == (20, 0.07, "cls", 1000)
     assert knn.bank.max_samples == 10000 and knn.query.max_samples is None  # giving shards keeps the bank's limit
-    assert cfg.eval_every_steps == 1000 and load_config(None, ["eval.every_steps=7"]).eval_every_steps == 1000
+    assert cfg.eval_every_steps == 1000
+    with pytest.raises(ValueError, match="eval.every_steps is set, but stage pretrain does not read it"):
+        load_config(None, ["eval.every_steps=7"])  # pretraining's cadence is the monitors'
     finetune = load_config(None, ["stage=finetune", "eval.every_steps=7"])
     assert finetune.eval_every_steps == 7 and not finetune.eval.knn.enabled
 
