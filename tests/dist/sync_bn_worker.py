@@ -4,8 +4,8 @@
 
 Every rank builds the same batch (8 images, split 3 / 5 over 2 ranks: unequal counts) and the same layer, runs two
 training steps of sum(y * g) on its share with the synchronised copy and on everything with the plain layer, and
-prints one JSON line of the largest differences: outputs and input gradients of its share, the parameter gradients
-summed over ranks, the running statistics.
+reports the largest differences: outputs and input gradients of its share, the parameter gradients summed over
+ranks, the running statistics. Rank 0 prints every rank's report as one JSON list.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def main() -> None:
     for name in ("running_mean", "running_var"):
         errors[name] = (getattr(synced, name) - getattr(plain, name)).abs().max().item()
     errors["batches_tracked"] = int(synced.num_batches_tracked) - int(plain.num_batches_tracked)
-    print(json.dumps({"rank": rank, "class": type(synced).__name__, **errors}), flush=True)
+    reports = [None] * world
+    dist.all_gather_object(reports, {"rank": rank, "class": type(synced).__name__, **errors})
+    if rank == 0:  # one line from one process: two printing at once can interleave
+        print(json.dumps(reports), flush=True)
     dist.destroy_process_group()
 
 

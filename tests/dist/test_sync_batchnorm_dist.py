@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-4), ("bfloat16", 0.1)])
 def test_two_ranks_match_one_batchnorm_over_the_whole_batch(dtype, tolerance):
     out = torchrun("sync_bn_worker.py", dtype, nproc=2).stdout
-    reports = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    (reports,) = [json.loads(line) for line in out.splitlines() if line.startswith("[{")]
     assert sorted(r["rank"] for r in reports) == [0, 1], out
     for report in reports:
         assert report["class"] == "SyncBatchNorm2d" and report["batches_tracked"] == 0
