@@ -34,6 +34,7 @@ from torchvision.utils import save_image
 
 from core.export.manifest import MANIFEST_NAME
 from core.report.vit_pictures import inspectable, inspection
+from data.device import normalisation, normalise
 from finetune.convert import convert
 from finetune.predict import read_images
 
@@ -87,20 +88,21 @@ def load_vit(export: Path) -> tuple[VisionTransformer, list[float], list[float]]
 
 
 def load_images(spec: str, count: int, size: tuple[int, int]) -> torch.Tensor:
-    """The first `count` images of `spec` resized to `size`, (B, 3, H, W) in [0, 1]."""
+    """The first `count` images of `spec` resized to `size`, (B, 3, H, W) uint8."""
     pictures = []
     for _, image in itertools.islice(read_images(spec), count):
-        pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1).float()[None] / 255
-        pictures.append(F.interpolate(pixels, size=tuple(size), mode="bilinear", antialias=True, align_corners=False))
+        pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1).float()[None]  # (1, 3, h, w) in 0..255
+        resized = F.interpolate(pixels, size=tuple(size), mode="bilinear", antialias=True, align_corners=False)
+        pictures.append(resized.round().clamp(0, 255).to(torch.uint8))
     if not pictures:
         raise ValueError(f"--images {spec}: no images")
-    return torch.cat(pictures).clamp(0, 1)
+    return torch.cat(pictures)
 
 
 def inspect(vit: VisionTransformer, images: torch.Tensor, mean, std, out: Path) -> dict:
-    """The four inspections on `images` (B, 3, H, W in [0, 1]) written to `out` as PNGs and inspection.json;
-    returns the numbers (the JSON's content)."""
-    normalised = (images - torch.tensor(mean)[:, None, None].to(images)) / torch.tensor(std)[:, None, None].to(images)
+    """The four inspections on uint8 `images` (B, 3, H, W), normalised as the training data was, written to `out` as
+    PNGs and inspection.json; returns the numbers (the JSON's content)."""
+    normalised = normalise(images, normalisation(mean, std).to(images.device))
     pictures, numbers = inspection(vit, normalised, mean, std)
     out.mkdir(parents=True, exist_ok=True)
     for name, picture in pictures.items():

@@ -16,10 +16,8 @@ from collections.abc import Callable
 
 from core.engine.distributed import all_gather_rows
 from core.report.collapse import effective_rank, normalised_std
-from data.pipeline import make_eval_loader
-from data.specs import resolve_shards, train_sources
-from data.transforms import eval_transform
-from pretrain.knn import embed, knn_monitor, training_untouched
+from data.specs import train_sources
+from pretrain.knn import embed, knn_monitor, monitor_loader, training_untouched
 
 
 def feature_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
@@ -28,16 +26,8 @@ def feature_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
     fm = cfg.eval.features
     if not fm.enabled:
         return None
-    try:
-        shards = resolve_shards(fm.shards) if fm.shards else train_sources(cfg.data.train)[0].shards
-        loader = make_eval_loader(
-            shards, transform=eval_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std,
-            crop_pct=cfg.data.eval_crop_pct), batch_size=fm.batch_size_per_device, rank=dist.rank,
-            world_size=dist.world_size, num_workers=cfg.data.num_workers, labels=False, max_samples=fm.max_samples,
-            read_policy=cfg.data.read_policy(), timeout_s=cfg.data.loader_timeout_s,
-        )  # fmt: skip
-    except ValueError as err:  # no such shards, fewer shards than ranks
-        raise ValueError(f"eval.features.shards: {err}") from err
+    shards = fm.shards or train_sources(cfg.data.train)[0].shards
+    loader = monitor_loader(run, "eval.features.shards", shards, fm.max_samples, fm.batch_size_per_device, labels=False)
     height, width = cfg.model.image_hw
 
     def evaluate(step: int) -> dict[str, float]:

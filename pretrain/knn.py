@@ -167,6 +167,26 @@ def training_untouched(module: nn.Module, device: torch.device):
         np.random.set_state(numpy_state)
 
 
+def monitor_loader(run, key: str, spec, max_samples: int | None, batch_size: int, *, labels: bool = True):
+    """This rank's share of a monitor's set: `spec`'s shards (a resolved list too) whole at the model's size, as the
+    evaluation transform shows them, the first `max_samples` spread over the shards.
+
+    Raises:
+        ValueError: Naming `key`: no such shards, fewer shards than ranks.
+    """
+    cfg, dist = run.cfg, run.dist
+    transform = eval_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, crop_pct=cfg.data.eval_crop_pct)
+    try:
+        return make_eval_loader(
+            resolve_shards(spec), transform=transform, batch_size=batch_size, rank=dist.rank,
+            world_size=dist.world_size, num_workers=cfg.data.num_workers, labels=labels,
+            label_field=cfg.data.label_field, max_samples=max_samples, read_policy=cfg.data.read_policy(),
+            timeout_s=cfg.data.loader_timeout_s,
+        )  # fmt: skip
+    except ValueError as err:  # no such shards, fewer shards than ranks
+        raise ValueError(f"{key}: {err}") from err
+
+
 def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
     """The `evaluate(step)` of a pretraining run with `eval.knn.enabled` (None without it).
 
@@ -181,20 +201,9 @@ def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
     knn: KNNConfig = cfg.eval.knn
     if not knn.enabled:
         return None
-    transform = eval_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, crop_pct=cfg.data.eval_crop_pct)
-
-    def loader(key: str, spec, max_samples: int | None):
-        try:
-            return make_eval_loader(
-                resolve_shards(spec), transform=transform, batch_size=knn.batch_size_per_device, rank=dist.rank,
-                world_size=dist.world_size, num_workers=cfg.data.num_workers, label_field=cfg.data.label_field,
-                max_samples=max_samples, read_policy=cfg.data.read_policy(), timeout_s=cfg.data.loader_timeout_s,
-            )  # fmt: skip
-        except ValueError as err:  # no such shards, fewer shards than ranks
-            raise ValueError(f"{key}: {err}") from err
-
-    bank_loader = loader("eval.knn.bank.shards", knn.bank.shards or cfg.data.train, knn.bank.max_samples)
-    query_loader = loader("eval.knn.query.shards", knn.query.shards or cfg.data.val, knn.query.max_samples)
+    b, q, size = knn.bank, knn.query, knn.batch_size_per_device
+    bank_loader = monitor_loader(run, "eval.knn.bank.shards", b.shards or cfg.data.train, b.max_samples, size)
+    query_loader = monitor_loader(run, "eval.knn.query.shards", q.shards or cfg.data.val, q.max_samples, size)
     height, width = cfg.model.img_size if isinstance(cfg.model.img_size, tuple) else (cfg.model.img_size,) * 2
     encoder = engine.module.encoder
 

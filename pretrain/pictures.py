@@ -17,32 +17,17 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from core.engine.precision import autocast_context, to_device
+from core.engine.precision import autocast_context
+from core.engine.stream import FIXED_BATCH_SIZE, fixed_batch
 from core.recipe.config import Config
 from core.report.pictures import bar_chart, image_grid, upscale_nearest
-from data.pipeline import make_eval_loader
-from data.specs import resolve_shards
 from data.transforms import CentreCrop, WithMask, eval_transform
 from pretrain.mae import normalize_patches, patchify, reconstruction_grid
 from pretrain.objectives import mask_generator, tokenizer_manifest
 from pretrain.targets import class_colors
 
-FIXED_BATCH_SIZE = 8
 MASKED_GREY = 0.5  # masked patches of the input, as in MAE's pictures
 OUTLINE = (1.0, 0.4, 0.0)  # orange border around the masked region
-
-
-def fixed_batch(cfg: Config, transform: Callable, device: torch.device, batch_size: int = FIXED_BATCH_SIZE) -> dict:
-    """The first `batch_size` samples of the first training shard under `transform`, on `device`.
-
-    The data pipeline seeds each sample's transform from its position, so random parts of `transform` (masks) are
-    the same in every run and after every resume.
-    """
-    loader = make_eval_loader(
-        resolve_shards(cfg.data.train)[:1], transform=transform, batch_size=batch_size, rank=0, world_size=1,
-        num_workers=0, labels=False, read_policy=cfg.data.read_policy(),
-    )  # fmt: skip
-    return to_device(next(iter(loader)), device, cfg.engine.precision)
 
 
 def picture_hook(run, engine) -> Callable[[int], None] | None:

@@ -19,12 +19,12 @@ from core.engine.loop import LoopHooks
 from core.engine.precision import autocast_context
 from core.engine.run import finish_stage, run_loop, seed_everything, start_engine
 from core.engine.stage import StageRun
-from core.engine.stream import train_stream
+from core.engine.stream import fixed_batch, train_stream
 from core.export.folder import atomic_folder, check_replaceable
 from core.recipe.config import Config
 from core.recipe.sections import VQVAEObjective
 from data.transforms import eval_transform, pretrain_transform
-from pretrain.pictures import code_usage, code_usage_picture, fixed_batch
+from pretrain.pictures import code_usage, code_usage_picture
 from pretrain.tokenizer import KIND, MANIFEST_NAME, VQVAE, WEIGHTS_NAME, tokenizer_grid
 
 USAGE_BATCH_SIZE = 64  # images of the fixed batch whose codes are counted; the first 8 are drawn

@@ -14,14 +14,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from core.engine.precision import to_device
 from core.engine.stage import StageRun
+from core.engine.stream import fixed_batch
 from core.report.vit_pictures import inspectable, inspection
-from data.pipeline import make_eval_loader
-from data.specs import resolve_shards
 from data.transforms import eval_transform
-
-NUM_IMAGES = 8  # the first training images, whole, the same at every picture step
 
 
 def inspection_hook(run: StageRun, module: nn.Module) -> Callable[[int], None] | None:
@@ -34,12 +30,8 @@ def inspection_hook(run: StageRun, module: nn.Module) -> Callable[[int], None] |
         return None
     if not run.logger.enabled:
         return lambda step: None
-    size = tuple(vit.patch_embed.img_size)
-    loader = make_eval_loader(
-        resolve_shards(cfg.data.train)[:1], transform=eval_transform(size, cfg.data.mean, cfg.data.std, crop_pct=1.0),
-        batch_size=NUM_IMAGES, rank=0, world_size=1, num_workers=0, labels=False, read_policy=cfg.data.read_policy(),
-    )  # fmt: skip
-    images = to_device(next(iter(loader)), run.dist.device, "fp32")["image"]
+    view = eval_transform(tuple(vit.patch_embed.img_size), cfg.data.mean, cfg.data.std, crop_pct=1.0)
+    images = fixed_batch(cfg, view, run.dist.device)["image"]  # the first training images, whole
 
     def log_images(step: int) -> None:
         with torch.no_grad():

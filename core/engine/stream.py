@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import torch
 from torch.utils.data import DataLoader
 
 from core.engine.checkpoint import saved_states
 from core.engine.distributed import DistInfo
+from core.engine.precision import to_device
 from core.engine.stage import StageRun
 from core.recipe.config import Config
-from data.pipeline import make_train_loader
-from data.specs import train_sources
+from data.pipeline import make_eval_loader, make_train_loader
+from data.specs import resolve_shards, train_sources
 
 
 def train_stream(run: StageRun, transform: Callable, *, labels: bool) -> Iterator[dict]:
@@ -92,3 +94,21 @@ def _resume_positions(run: StageRun) -> list[dict | None] | None:
 def num_train_shards(cfg: Config) -> int:
     """The distinct shards of the recipe's training sources (the skipped-shard budget's floor, data/shard_read.py)."""
     return len({shard for source in train_sources(cfg.data.train) for shard in source.shards})
+
+
+FIXED_BATCH_SIZE = 8
+"""Images in the fixed batch the pictures are drawn from."""
+
+
+def fixed_batch(cfg: Config, transform: Callable, device: torch.device, batch_size: int = FIXED_BATCH_SIZE) -> dict:
+    """The first `batch_size` samples of the first training shard under `transform`, on `device`: what the pictures
+    are drawn from, the same at every picture step.
+
+    The data pipeline seeds each sample's transform from its position, so random parts of `transform` (masks) are
+    the same in every run and after every resume.
+    """
+    loader = make_eval_loader(
+        resolve_shards(cfg.data.train)[:1], transform=transform, batch_size=batch_size, rank=0, world_size=1,
+        num_workers=0, labels=False, read_policy=cfg.data.read_policy(),
+    )  # fmt: skip
+    return to_device(next(iter(loader)), device, cfg.engine.precision)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -53,8 +54,7 @@ def _global_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     channels, world, rank = x.shape[1], dist.get_world_size(), dist.get_rank()
     count = x.new_tensor([x.numel() // channels])
     local = torch.cat([count, x.mean(dim=(0, 2, 3)), x.var(dim=(0, 2, 3), unbiased=False)])  # (2C + 1,)
-    table = torch.zeros(world, 2 * channels + 1, dtype=x.dtype, device=x.device)
-    table = dist_nn.all_reduce(table.index_copy(0, torch.tensor([rank], device=x.device), local[None]))
+    table = dist_nn.all_reduce(F.pad(local[None], (0, 0, rank, world - rank - 1)))  # (world, 2C + 1): row `rank` ours
     counts, means, variances = table[:, :1], table[:, 1 : 1 + channels], table[:, 1 + channels :]  # (world, .)
     total = counts.sum()
     mean = (counts * means).sum(0) / total
