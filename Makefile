@@ -1,6 +1,6 @@
 # mimpipe: make quickstart | make quickstart-seg | make test | make lint | make bench | make bench-memory | make bench-data |
-#         make bench-startup | make smoke-recipes | make encoders-table | make bench-quality | make bench-seg |
-#         make gpu-check
+#         make bench-startup | make smoke-recipes | make encoders-table | make bench-quality | make bench-monitors |
+#         make bench-seg | make gpu-check
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
@@ -10,7 +10,7 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: install quickstart quickstart-beit quickstart-data quickstart-seg quickstart-seg-data test test-faults test-unit test-dist lint format bench bench-memory \
-	bench-data bench-resume bench-startup smoke-recipes encoders-table bench-quality bench-seg gpu-check \
+	bench-data bench-resume bench-startup smoke-recipes encoders-table bench-quality bench-monitors bench-seg gpu-check \
 	recipe-reference
 
 $(PY):
@@ -153,6 +153,12 @@ bench-startup: quickstart-data
 # resumable (a finished arm is skipped). benchmarks/results/quality.md + quality.png. QUALITY_ARGS: e.g. --scale 0.02.
 bench-quality: quickstart-data
 	$(PY) -m benchmarks.bench_quality --shards $(SHARDS) $(QUALITY_ARGS)
+
+# The label-free and few-shot monitors (issue 30): MAE's and SimMIM's bench-quality pretraining with them on, each
+# against kNN top-1 step by step, and their cost to the quickstart's pretraining (with/without, side by side): ~1.5
+# hours on 2 cores, resumable. benchmarks/results/monitors.md. MONITORS_ARGS: e.g. --scale 0.05 for a smoke run.
+bench-monitors: quickstart-data
+	$(PY) -m benchmarks.bench_monitors --shards $(SHARDS) $(MONITORS_ARGS)
 
 # Segmentation (issue 29): UperNet and the linear probe from an MAE encoder against scratch, VT-FPN against panoptic FPN
 # on the Fashion-MNIST scenes, and both FPNs' parameters and GMACs: about 1.5 hours on 2 cores, resumable.

@@ -75,8 +75,8 @@ class Arm:
 
 
 def scale_overrides(recipe: Path, scale: float) -> list[str]:
-    """Overrides that shrink a recipe's step counts (schedule, warmup, checkpoints, logging, kNN) by `scale`, and
-    its kNN sets with them; none at scale 1."""
+    """Overrides that shrink a recipe's step counts (schedule, warmup, checkpoints, logging, the monitors) by `scale`,
+    and the monitors' sets with them; none at scale 1."""
     if scale == 1:
         return []
     cfg = load_config(recipe)
@@ -97,6 +97,12 @@ def scale_overrides(recipe: Path, scale: float) -> list[str]:
             f"eval.knn.every_steps={every(knn.every_steps)}",
             f"eval.knn.bank.max_samples={max(knn.k, 1000, round(knn.bank.max_samples * scale))}",
             f"eval.knn.query.max_samples={max(500, round(knn.query.max_samples * scale))}",
+        ]
+    features = cfg.eval.features
+    if features.enabled:  # as the kNN bank, so that a label-free monitor on the bank's images stays on them
+        out += [
+            f"eval.features.every_steps={every(features.every_steps)}",
+            f"eval.features.max_samples={max(1000, round(features.max_samples * scale))}",
         ]
     return out
 

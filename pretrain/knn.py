@@ -4,7 +4,8 @@ Every `eval.knn.every_steps` the encoder (eval mode, no gradients, the run's pre
 labelled query set; each query is classified by a weighted vote of its k most similar bank features, as in DINO
 (`eval_knn.py`): cosine similarity of L2-normalised features, each neighbour voting for its class with weight
 exp(similarity / temperature). Logged: `knn/top1`, `knn/top5`, `knn/seconds` and the two set sizes. With
-`eval.knn.fewshot`, the same features also give the ViT paper's few-shot linear accuracy (`fewshot/top1_{n}shot`).
+`eval.knn.fewshot`, the same features also give the ViT paper's few-shot linear accuracy (`fewshot/top1_{n}shot`,
+`fewshot/seconds`).
 
 Distributed: each rank embeds its own shards of both sets (`make_eval_loader`: every sample on exactly one rank), the
 bank features are gathered on every rank, each rank classifies its own queries and the correct counts are summed,
@@ -207,21 +208,27 @@ def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
     height, width = cfg.model.img_size if isinstance(cfg.model.img_size, tuple) else (cfg.model.img_size,) * 2
     encoder = engine.module.encoder
 
-    def evaluate(step: int) -> dict[str, float]:
+    def evaluate(step: int, on_bank: Callable[[torch.Tensor], None] | None = None) -> dict[str, float]:
+        """The metrics at `step`; `on_bank` receives the gathered (N, D) bank features (the label-free monitor's
+        reuse, pretrain/feature_monitor.py `monitors`)."""
         start = time.perf_counter()
         kwargs = {"dist": dist, "precision": cfg.engine.precision, "pooling": knn.pooling}
         with training_untouched(engine.module, dist.device):
             queries, query_labels = embed(encoder, query_loader, **kwargs, image_shape=(3, height, width))
             bank, bank_labels = embed(encoder, bank_loader, **kwargs, image_shape=(3, height, width))
         bank, bank_labels = all_gather_rows(bank), all_gather_rows(bank_labels)  # (N, D), (N,) on every rank
+        if on_bank is not None:
+            on_bank(bank)
         top_label = torch.cat([bank_labels, query_labels, bank_labels.new_zeros(1)]).max().reshape(1)
         num_classes = int(all_reduce(top_label, op="max").item()) + 1
         correct = KNNBank(bank, bank_labels, knn.k, knn.temperature, num_classes).correct(queries, query_labels)
         # few-shot: every rank fits the same support sets of the (gathered) bank and scores its own queries
+        fewshot_start = time.perf_counter()
         shots = [
             fewshot_correct(bank, bank_labels, queries, query_labels, shots=n, num_classes=num_classes).mean()
             for n in knn.fewshot
         ]
+        fewshot_seconds = time.perf_counter() - fewshot_start
         counts = torch.cat([correct, correct.new_tensor([len(queries), *[float(c) for c in shots]])])
         top1, top5, num_queries, *fewshot = all_reduce(counts).tolist()  # summed over ranks
         metrics = {
@@ -231,7 +238,10 @@ def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
             "knn/query_samples": float(num_queries),
             "knn/seconds": time.perf_counter() - start,
         }
-        metrics |= {f"fewshot/top1_{n}shot": c / max(num_queries, 1) for n, c in zip(knn.fewshot, fewshot, strict=True)}
+        if knn.fewshot:
+            shot_counts = zip(knn.fewshot, fewshot, strict=True)
+            metrics |= {f"fewshot/top1_{n}shot": c / max(num_queries, 1) for n, c in shot_counts}
+            metrics["fewshot/seconds"] = fewshot_seconds
         run.logger.console(
             f"[mimpipe] step {step} knn: top1 {metrics['knn/top1']:.4f}  top5 {metrics['knn/top5']:.4f}  "
             f"({len(bank)} bank, {num_queries} queries, k {knn.k}, {knn.pooling} pooling, "

@@ -34,25 +34,6 @@ def assert_knn_figures(run_dir, *, num_queries: int = NUM_VAL) -> None:
         assert metrics["knn/seconds"] > 0
 
 
-def test_zero2_bf16_monitor_logs_and_leaves_training_identical(zero2_run, shards, tmp_path):
-    """The same recipe as the `zero2_run` fixture plus eval.knn: every step's loss is identical."""
-    plain_dir, _ = zero2_run
-    recipe = pretrain_recipe(shards, tmp_path / "run", eval=knn_section(shards, fewshot=[1, 5]))
-    proc = launch(write_recipe(tmp_path / "tiny_mae_knn.yaml", recipe))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert losses(tmp_path / "run") == losses(plain_dir)
-    assert sorted(losses(plain_dir)) == [1, 2, 3, 4, 5, 6]
-    assert_knn_figures(tmp_path / "run")
-    for metrics in knn_metrics(tmp_path / "run").values():  # few-shot: 3 draws, every query counted once
-        for n in (1, 5):
-            correct = metrics[f"fewshot/top1_{n}shot"] * NUM_VAL * 3
-            assert 0 <= correct <= NUM_VAL * 3 and abs(correct - round(correct)) < 1e-6
-    assert f"[mimpipe] step 4 knn: top1 {knn_metrics(tmp_path / 'run')[4]['knn/top1']:.4f}" in proc.stdout
-    events = next((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
-    tags = [value.tag for event in EventFileLoader(str(events)).Load() for value in event.summary.value]
-    assert tags.count("knn/top1") == 3 and tags.count("knn/top5") == 3 and tags.count("knn/seconds") == 3
-
-
 def test_zero3_mean_pooling_leaves_training_identical(shards, tmp_path):
     """ZeRO-3 with accumulation: the encoder's forwards are collective. A query limit of 100 of the 203 in batches of
     16: rank 0's shards give 66 queries (5 batches), rank 1's 34 (3 batches), so rank 1 forwards 2 stand-ins."""
@@ -80,17 +61,44 @@ def test_fp16_monitor_leaves_training_identical(shards, tmp_path):
     assert_knn_figures(tmp_path / "knn")
 
 
-def test_the_label_free_monitor_runs_without_labels_or_knn_and_leaves_training_identical(zero2_run, shards, tmp_path):
-    """eval.features alone (every 3 steps of 6): RankMe and the normalised spread of 200 training images."""
+def test_zero2_bf16_monitors_log_and_leave_training_identical(zero2_run, shards, tmp_path):
+    """The `zero2_run` fixture's recipe plus (a) eval.knn every 2 steps with few-shot and eval.features every 3 on the
+    bank's images, (b) eval.features alone: every step's loss is identical to the plain run's; at step 6, where both
+    monitors of (a) run, the label-free numbers come from the kNN bank's features and equal (b)'s own pass."""
     plain_dir, _ = zero2_run
-    features = {"enabled": True, "every_steps": 3, "max_samples": 200}
-    recipe = pretrain_recipe(shards, tmp_path / "run", eval={"features": features})
-    proc = launch(write_recipe(tmp_path / "tiny_mae_features.yaml", recipe))
+    features = {"enabled": True, "every_steps": 3, "max_samples": BANK}
+    both = pretrain_recipe(shards, tmp_path / "both", eval=knn_section(shards, fewshot=[1, 5]) | {"features": features})
+    proc = launch(write_recipe(tmp_path / "tiny_mae_knn.yaml", both))
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert losses(tmp_path / "run") == losses(plain_dir)
-    found = {m["step"]: m for m in read_metrics(tmp_path / "run") if "features/effective_rank" in m}
-    assert sorted(found) == [3, 6] and not any("knn/top1" in m for m in read_metrics(tmp_path / "run"))
-    for metrics in found.values():
-        assert metrics["features/samples"] == 200  # each image on one rank, gathered once
-        assert 1.0 < metrics["features/effective_rank"] <= 32 and 0.0 < metrics["features/std"] <= 1.5  # D = 32
-    assert "[mimpipe] step 6 features: effective rank" in proc.stdout
+    alone = pretrain_recipe(shards, tmp_path / "alone", eval={"features": features})
+    proc_alone = launch(write_recipe(tmp_path / "tiny_mae_features.yaml", alone))
+    assert proc_alone.returncode == 0, proc_alone.stdout[-4000:]
+    assert losses(tmp_path / "both") == losses(tmp_path / "alone") == losses(plain_dir)
+    assert sorted(losses(plain_dir)) == [1, 2, 3, 4, 5, 6]
+
+    assert_knn_figures(tmp_path / "both")
+    for metrics in knn_metrics(tmp_path / "both").values():  # few-shot: 3 draws, every query counted once
+        for n in (1, 5):
+            correct = metrics[f"fewshot/top1_{n}shot"] * NUM_VAL * 3
+            assert 0 <= correct <= NUM_VAL * 3 and abs(correct - round(correct)) < 1e-6
+    assert f"[mimpipe] step 4 knn: top1 {knn_metrics(tmp_path / 'both')[4]['knn/top1']:.4f}" in proc.stdout
+    events = next((tmp_path / "both" / "tb").glob("events.out.tfevents.*"))
+    tags = [value.tag for event in EventFileLoader(str(events)).Load() for value in event.summary.value]
+    assert tags.count("knn/top1") == 3 and tags.count("knn/top5") == 3 and tags.count("knn/seconds") == 3
+    assert tags.count("features/effective_rank") == 2
+
+    def label_free(run_dir) -> dict[int, dict]:
+        return {m["step"]: m for m in read_metrics(run_dir) if "features/effective_rank" in m}
+
+    reused, own = label_free(tmp_path / "both"), label_free(tmp_path / "alone")
+    assert sorted(reused) == sorted(own) == [3, 6]
+    assert not any("knn/top1" in m for m in read_metrics(tmp_path / "alone"))
+    assert [reused[s]["features/reused_knn_bank"] for s in (3, 6)] == [0.0, 1.0]  # step 3: no kNN pass to reuse
+    assert not any(m["features/reused_knn_bank"] for m in own.values())
+    for step in (3, 6):
+        assert reused[step]["features/samples"] == own[step]["features/samples"] == BANK  # each image once
+        for key in ("features/effective_rank", "features/std"):
+            assert reused[step][key] == pytest.approx(own[step][key], rel=1e-4)
+        assert 1.0 < own[step]["features/effective_rank"] <= 32 and 0.0 < own[step]["features/std"] <= 1.5  # D = 32
+    assert "[mimpipe] step 6 features: effective rank" in proc_alone.stdout
+    assert "the kNN bank's features" in proc.stdout
