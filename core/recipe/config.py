@@ -423,7 +423,7 @@ class Config(Section):
                 "model.init (a warm start) is loaded into the built objective, which ZeRO-3 partitions as it builds "
                 "it; warm-start with engine.zero_stage 0-2"
             )
-        check_ignored(self, self.stage)
+        check_ignored(self, self.stage, self.objective.kind)
         if self.eval.features.enabled and self.stage != "pretrain":
             raise ValueError(f"eval.features needs stage pretrain, not {self.stage!r} (it watches an encoder train)")
         if isinstance(self.objective, SegmentationObjective):

@@ -168,6 +168,7 @@ def test_base_recipe_is_merged_and_overridden():
     assert cfg.engine.zero_stage == 2 and cfg.data.global_batch_size == 4096
 
 
+SEG = ["stage=finetune", "objective.kind=segmentation"]
 SEG_FPN = ["stage=finetune", "objective.kind=segmentation", "objective.head=fpn", "model.arch=resnet"]
 
 
@@ -214,6 +215,14 @@ def test_a_resnet_takes_the_fpn_heads_at_their_width():
         (["model.num_classes=10"], "model.num_classes is set, but stage pretrain does not read it"),
         (["eval.every_steps=5"], "eval.every_steps is set, but stage pretrain does not read it: pretraining evaluates"),
         (["stage=tokenizer", "objective.kind=vqvae", "model.size=large"], "model.size is set, but stage tokenizer"),
+        (["stage=tokenizer", "objective.kind=vqvae", "eval.every_steps=5"], "eval.every_steps is set, but stage tok"),
+        (["stage=tokenizer", "objective.kind=vqvae", "data.val=x"], "data.val is set, but stage tokenizer does not"),
+        (["stage=tokenizer", "objective.kind=vqvae", "engine.attention=math"], "the VQ-VAE has no attention layers"),
+        (["data.eval_batch_size_per_device=8"], "data.eval_batch_size_per_device is set, but stage pretrain"),
+        (SEG + ["data.crop_scale=[0.5,1.0]"], "data.crop_scale is set, but stage finetune with objective segmentation"),
+        (SEG + ["model.head_init=trunc_normal"], "model.head_init is set, but stage finetune with objective segm"),
+        (SEG + ["data.label_field=y"], "segmentation reads masks, not class labels"),
+        (SEG + ["augment.mix_prob=0.5"], "augment.mix_prob is set, but stage finetune with objective segmentation"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):
