@@ -17,7 +17,7 @@ from pretrain.feature_monitor import monitors
 from pretrain.objectives import objective_builder, train_transform
 from pretrain.pictures import picture_hook
 from pretrain.train_tokenizer import train_tokenizer
-from pretrain.warm_start import warm_started
+from pretrain.warm_start import warm_starter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Objective (same init on every rank; model.init warm-starts it) and engine
     seed_everything(cfg.seed)
-    engine, optimizer = start_engine(run, warm_started(objective_builder(cfg), run))
+    engine, optimizer = start_engine(run, objective_builder(cfg), after_build=warm_starter(run))
 
     # Pictures of the objective's output on one fixed batch with fixed masks, comparable across steps, and the ViT
     # paper's inspection of the encoder

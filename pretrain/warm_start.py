@@ -8,6 +8,11 @@ and head) is taken from the checkpoint when it holds one of that name and shape:
 fresh and the schedule's warmup applies. The console and run_dir/load_report.json list what was loaded, resized and
 left fresh. A run that resumes from its own checkpoint loads it afterwards, which wins (run_dir, then init, then
 scratch).
+
+The start runs on the built objective before it goes into the engine (`parallelize`'s `after_build`), so the meta
+build that sizes checkpoints never loads anything. Under ZeRO-3 the objective's parameters are partitioned by then:
+every rank gathers them whole for the load (each rank holds the full fp32 objective for that moment) and rank 0's
+values are partitioned back to every rank (zero_init.gathered), then the engine starts from them.
 """
 
 from __future__ import annotations
@@ -18,32 +23,32 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from core.engine.zero_init import gathered
 from core.export.handoff import load_encoder
 from core.export.read import read_checkpoint
 
 ENCODER = "encoder."
 
 
-def warm_started(build: Callable[[], nn.Module], run) -> Callable[[], nn.Module]:
-    """`build` followed by the warm start of what it builds, when the recipe names `model.init` (else `build`)."""
+def warm_starter(run) -> Callable[[nn.Module], dict] | None:
+    """`start_engine`'s `after_build` for a recipe that names `model.init` (else None): the warm start."""
     if not run.cfg.model.init:
-        return build
-
-    def build_and_load() -> nn.Module:
-        objective = build()
-        warm_start(objective, run)
-        return objective
-
-    return build_and_load
+        return None
+    return lambda objective: warm_start(objective, run)
 
 
 def warm_start(objective: nn.Module, run) -> dict:
-    """Load `model.init` into `objective` (its `encoder` by the hand-off, the rest by name and shape); report it on
-    the console and in run_dir/load_report.json. Returns the report as a dict.
+    """Load `model.init` into `objective` (its `encoder` by the hand-off, the rest by name and shape), partitioned
+    by ZeRO-3 or not; report it on the console and in run_dir/load_report.json. Returns the report as a dict.
 
     Raises:
         ValueError: As the hand-off does: an unreadable file, or an encoder of another architecture (naming the keys).
     """
+    with gathered(list(objective.parameters())):
+        return _load(objective, run)
+
+
+def _load(objective: nn.Module, run) -> dict:
     m = run.cfg.model
     report = load_encoder(
         objective.encoder, m.init, head_init="keep", pos_embed_resize=m.pos_embed_resize,

@@ -153,13 +153,20 @@ def _meta_module(objective: nn.Module | Callable[[], nn.Module]) -> nn.Module:
         RNGState().load_state_dict(rng)
 
 
-def start_engine(run: StageRun, objective: nn.Module | Callable[[], nn.Module]):
+def start_engine(
+    run: StageRun,
+    objective: nn.Module | Callable[[], nn.Module],
+    *,
+    after_build: Callable[[nn.Module], object] | None = None,
+):
     """DeepSpeed engine for `objective` (built under the shared seed), the checkpoint restored; prints the plan.
-    `objective` may be the function that builds it (see `parallelize`)."""
+    `objective` may be the function that builds it; `after_build` is called with what it built (see `parallelize`)."""
     cfg, dist = run.cfg, run.dist
     check_room(run, objective)
     universal = run.resume is not None and run.resume["universal"]
-    engine, optimizer = parallelize(objective, cfg=cfg, dist=dist, run_dir=run.run_dir, load_universal=universal)
+    engine, optimizer = parallelize(
+        objective, cfg=cfg, dist=dist, run_dir=run.run_dir, load_universal=universal, after_build=after_build
+    )
     seed_everything(cfg.seed + dist.rank)  # per-rank randomness (masks, drop path) from here on
     run.logger.console(
         launch_plan(cfg, dist, total_steps=run.total_steps, warmup_steps=run.warmup_steps, samples=run.samples)

@@ -237,12 +237,15 @@ def parallelize(
     dist: DistInfo,
     run_dir: Path,
     load_universal: bool = False,
+    after_build: Callable[[nn.Module], object] | None = None,
 ):
     """Wrap `objective` in a DeepSpeed engine on `dist.device`; writes `run_dir/deepspeed.json` on rank 0.
 
     `objective` may be a function that builds it: under ZeRO-3 it is then built inside deepspeed.zero.Init, so no
     rank ever holds all of its fp32 weights (see zero_init.py); at other stages it is simply called.
     `load_universal`: the checkpoint to resume is a DeepSpeed universal checkpoint (a world-size change).
+    `after_build`: called with the built objective before it moves to the device or into the engine (a warm start;
+    under ZeRO-3 its parameters are partitioned then, see zero_init.gathered).
 
     Returns:
         (engine, optimizer): the DeepSpeed engine and the Guarded optimizer it steps.
@@ -268,6 +271,8 @@ def parallelize(
             objective, layout = build_partitioned(objective, ds_config)
         else:
             objective = objective()
+    if after_build is not None:
+        after_build(objective)
     if layout is None:
         objective.to(dist.device)  # zero.Init placed the partitions on the device already
     set_attention(objective, cfg.engine.attention, dist.device)

@@ -418,11 +418,6 @@ class Config(Section):
             self._check_knn()
         if self.model.init and self.stage == "tokenizer":
             raise ValueError("model.init: the tokenizer stage trains a VQ-VAE from scratch; it reads no encoder")
-        if self.model.init and self.stage == "pretrain" and self.engine.zero_stage == 3:
-            raise ValueError(
-                "model.init (a warm start) is loaded into the built objective, which ZeRO-3 partitions as it builds "
-                "it; warm-start with engine.zero_stage 0-2"
-            )
         check_ignored(self, self.stage, self.objective.kind)
         if self.eval.features.enabled and self.stage != "pretrain":
             raise ValueError(f"eval.features needs stage pretrain, not {self.stage!r} (it watches an encoder train)")

@@ -100,15 +100,17 @@ def test_upernet_finetunes_from_an_mae_export_and_exports_encoder_and_head(zero2
     assert json.loads((tmp_path / "masks" / "classes.json").read_text())[0]["name"] == "background"
 
 
-@pytest.mark.parametrize("mode", ["whole", "slide"])
-def test_miou_is_the_same_on_one_and_two_ranks(scenes, mode):
-    """The confusion matrices are summed over ranks: every pixel of every image once, at any world size."""
-    outputs = [torchrun("seg_eval_worker.py", scenes / "val", mode, nproc=n).stdout for n in (1, 2)]
+def test_miou_is_the_same_on_one_and_two_ranks(scenes):
+    """The confusion matrices are summed over ranks: every pixel of every image once, at any world size, whole and
+    sliding-window alike (one launch per world size evaluates both)."""
+    outputs = [torchrun("seg_eval_worker.py", scenes / "val", "whole", "slide", nproc=n).stdout for n in (1, 2)]
     lines = [[line for line in out.splitlines() if line.startswith(("metrics", "confusion"))] for out in outputs]
-    assert lines[0] == lines[1] and len(lines[0]) == 2, outputs
-    assert lines[0][0].split()[-1] == "16.0"  # every validation image
-    confusion = torch.tensor([int(v) for v in lines[0][1].split()[1:]])
-    assert confusion.sum() > 16 * 64 * 64  # every scored pixel, at the masks' own sizes (64-96 px a side)
+    assert lines[0] == lines[1] and len(lines[0]) == 4, outputs
+    for mode, (metrics, confusion) in zip(("whole", "slide"), (lines[0][:2], lines[0][2:]), strict=True):
+        assert metrics.split()[1] == confusion.split()[1] == mode
+        assert metrics.split()[-1] == "16.0"  # every validation image
+        cells = torch.tensor([int(v) for v in confusion.split()[2:]])
+        assert cells.sum() > 16 * 64 * 64  # every scored pixel, at the masks' own sizes (64-96 px a side)
 
 
 def test_a_classification_set_is_refused_before_any_process_starts(shards, scenes, tmp_path):

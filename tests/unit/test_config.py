@@ -209,7 +209,6 @@ def test_a_resnet_takes_the_fpn_heads_at_their_width():
         (["stage=finetune", "objective.kind=segmentation", "model.arch=resnet"], "upernet does not fit model.arch"),
         (["stage=finetune", "objective.kind=segmentation", "objective.head=vt_fpn"], "vt_fpn does not fit model.arch"),
         (SEG_FPN + ["engine.zero_stage=3"], "model.arch resnet needs engine.zero_stage 0-2"),
-        (["model.init=x", "engine.zero_stage=3"], "warm-start with engine.zero_stage 0-2"),
         (["stage=tokenizer", "model.init=x"], "the tokenizer stage trains a VQ-VAE from scratch"),
         (["augment.mixup=0.8"], "augment.mixup is set, but stage pretrain does not read it"),
         (["model.num_classes=10"], "model.num_classes is set, but stage pretrain does not read it"),

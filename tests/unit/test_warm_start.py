@@ -1,38 +1,44 @@
 """Warm-started pretraining: an official-layout MAE state dict (encoder and decoder) gives our MAE the same loss as
 the model that wrote it, a trained encoder starts well below a fresh one, and a plain encoder leaves the decoder
-fresh."""
+fresh; a BEiT-style and a SimMIM objective take their heads and mask tokens from a file that holds them."""
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from core.recipe.config import load_config
 from pretrain.objectives import objective_builder
 from pretrain.warm_start import warm_start
 
-TINY = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.img_size=16", "model.patch_size=4",
-        "objective.decoder_embed_dim=16", "objective.decoder_depth=1", "objective.decoder_num_heads=2"]  # fmt: skip
+VIT = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.img_size=16", "model.patch_size=4"]
+TINY = [*VIT, "objective.decoder_embed_dim=16", "objective.decoder_depth=1", "objective.decoder_num_heads=2"]
+BEIT = [*VIT, "objective.kind=beit", "objective.target.kind=mean_color_3bit", "objective.mask.num_masked=6"]
+SIMMIM = [*VIT, "objective.kind=simmim"]
 
 
-def fake_run(tmp_path, init):
-    cfg = load_config(None, [*TINY, f"model.init={init}"])
+def fake_run(tmp_path, init, recipe=TINY):
+    cfg = load_config(None, [*recipe, f"model.init={init}"])
     lines = []
     logger = SimpleNamespace(console=lines.append)
     return SimpleNamespace(cfg=cfg, logger=logger, dist=SimpleNamespace(is_main=True), run_dir=tmp_path), lines
 
 
-def build(seed: int):
+def build(seed: int, recipe=TINY):
     torch.manual_seed(seed)
-    return objective_builder(load_config(None, TINY))()
+    return objective_builder(load_config(None, recipe))()
 
 
 def loss_on(objective, images) -> float:
-    torch.manual_seed(123)  # the same random mask
+    """The loss on `images` with the same mask every call: MAE's drawn from a fixed seed, BEiT-style and SimMIM's
+    (the data workers' there) every third patch of the 4x4 grid."""
+    torch.manual_seed(123)
+    mask = (torch.arange(16) % 3 == 0).reshape(1, 4, 4).expand(len(images), 4, 4)
     with torch.no_grad():
-        return float(objective({"image": images})["loss"])
+        return float(objective({"image": images, "mask": mask})["loss"])
 
 
 def official_layout(objective) -> dict:
@@ -82,3 +88,23 @@ def test_a_trained_encoder_starts_clearly_lower_and_a_bare_encoder_leaves_the_de
     assert report["objective_loaded"] == [] and "mask_token" in report["objective_fresh"]
     assert torch.equal(bare.encoder.blocks[1].mlp.fc2.weight, trained.encoder.blocks[1].mlp.fc2.weight)
     assert torch.equal(bare.decoder_pred.weight, fresh.decoder_pred.weight)  # the fresh init of seed 4
+
+
+@pytest.mark.parametrize("recipe", [BEIT, SIMMIM], ids=["beit", "simmim"])
+def test_beit_style_and_simmim_objectives_take_their_heads_and_mask_tokens_from_the_file(recipe, tmp_path):
+    """The encoder's keys at the top level as timm names them, the objective's own beside them (its names): the warm
+    objective's loss on a batch with a fixed mask is the writer's, with nothing left fresh."""
+    source = build(seed=1, recipe=recipe)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    state = {k.removeprefix("encoder."): v for k, v in source.state_dict().items()}
+    torch.save(state, tmp_path / "objective.pth")
+    target = build(seed=2, recipe=recipe)
+    images = torch.randn(4, 3, 16, 16)
+    assert loss_on(target, images) != loss_on(source, images)
+    run, _ = fake_run(tmp_path, tmp_path / "objective.pth", recipe)
+    report = warm_start(target, run)
+    assert loss_on(target, images) == loss_on(source, images)
+    own = [k for k in source.state_dict() if not k.startswith("encoder.")]
+    assert report["objective_fresh"] == [] and report["objective_loaded"] == sorted(own) and own
