@@ -120,11 +120,12 @@ def _ranks(values: list[float]) -> list[float]:
 def quality_section(root: Path, objectives: list[str]) -> list[str]:
     """Part 1's tables: every evaluated step per objective, then the rank correlations with kNN top-1."""
     lines = ["## 1. How the monitors move with kNN top-1", ""]
-    correlations = []
+    correlations, last = [], []
     for objective in objectives:
         steps = evaluated_steps(read_metrics(root / "quality" / objective))
         if not steps:
             continue
+        last.append(f"| {name_of(objective)} | " + " | ".join(_cell(steps[-1].get(key), key) for key in COLUMNS) + " |")
         lines += [f"### {name_of(objective)}", ""]
         lines += ["| step | " + " | ".join(LABELS) + " |", "|---" * (len(LABELS) + 1) + "|"]
         for row in steps:
@@ -144,6 +145,12 @@ def quality_section(root: Path, objectives: list[str]) -> list[str]:
         "| objective | steps | " + " | ".join(LABELS[1:]) + " |",
         "|---" * (len(LABELS) + 1) + "|",
         *[row + " |" for row in correlations],
+        "",
+        "### Across objectives, at the last step",
+        "",
+        "| objective | " + " | ".join(LABELS) + " |",
+        "|---" * (len(LABELS) + 1) + "|",
+        *last,
     ]
     return lines
 

@@ -71,6 +71,7 @@ def test_the_tables_read_the_logged_monitors(tmp_path):
     assert "| 200 | 0.6000 | 0.5010 | 0.5050 | 0.5100 | 0.5250 | 12.0 | 0.500 |" in text
     # few-shot rises with kNN (+1 each); the rank goes 10, 12, 11 (+0.50); the std is constant (no correlation)
     assert "| MAE | 3 | +1.00 | +1.00 | +1.00 | +1.00 | +0.50 | - |" in text
+    assert text.endswith("| MAE | 0.7000 | 0.6010 | 0.6050 | 0.6100 | 0.6250 | 11.0 | 0.500 |")  # the last step
 
     for name, wall, seconds in (("off0", 100.0, {}), ("on0", 102.0, {"features/seconds": 0.5, "fewshot/seconds": 1.5})):
         out = tmp_path / "overhead" / name
