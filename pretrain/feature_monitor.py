@@ -4,7 +4,7 @@ features of unlabelled training images (core/report/collapse.py), every `eval.fe
 Each rank embeds its own shards of the images as the kNN monitor embeds its sets (pretrain/knn.py `embed`: eval
 mode, no gradients, the run's precision, lock-step under ZeRO-3, training left untouched), the features are gathered
 on every rank, and each rank computes both numbers from the same matrix. Logged: `features/effective_rank`,
-`features/std`, `features/samples`, `features/seconds`, and a console line.
+`features/std`, `features/samples`, `features/reused_knn_bank`, `features/seconds`, and a console line.
 
 `monitors` joins it with the kNN monitor into the loop's one `evaluate(step)`, each at its own cadence. When both
 watch the same images (`features_are_knn_bank`: the same shards, `max_samples` and pooling), a step where both run
@@ -67,10 +67,13 @@ def feature_monitor(run, engine) -> Callable[..., dict[str, float]] | None:
 
 def features_are_knn_bank(cfg) -> bool:
     """Whether the label-free monitor and the kNN monitor's bank are the same images seen the same way: both on, the
-    same resolved shards (unset, both are the training shards), the same `max_samples` and pooling."""
+    same shards, the same `max_samples` and pooling. Both unset, they are the training shards (with a mixture in
+    data.train the bank must be named); else the resolved lists compare."""
     fm, knn = cfg.eval.features, cfg.eval.knn
     if not (fm.enabled and knn.enabled) or (fm.pooling, fm.max_samples) != (knn.pooling, knn.bank.max_samples):
         return False
+    if fm.shards is None and knn.bank.shards is None:
+        return True
     return resolve_shards(_feature_shards(cfg)) == resolve_shards(knn.bank.shards or cfg.data.train)
 
 

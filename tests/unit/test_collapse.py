@@ -11,6 +11,7 @@ import torch
 
 from core.recipe.config import load_config
 from core.report.collapse import effective_rank, normalised_std
+from pretrain.feature_monitor import features_are_knn_bank
 
 
 def test_effective_rank_of_an_orthonormal_set_is_its_size_and_of_one_direction_one():
@@ -37,3 +38,20 @@ def test_the_loop_evaluates_often_enough_for_each_monitor():
     assert load_config(None, ["eval.features.enabled=true", "eval.features.every_steps=70"]).eval_every_steps == 70
     with pytest.raises(ValueError, match="eval.features needs stage pretrain"):
         load_config(None, ["stage=finetune", "eval.features.enabled=true"])
+
+
+def test_the_label_free_monitor_reuses_the_knn_bank_only_when_it_watches_the_same_images(tmp_path):
+    """Same shards (unset on both: the training shards; or the same files named two ways), max_samples and pooling."""
+    shards = [tmp_path / f"train-{i:06d}.tar" for i in range(2)]
+    for shard in shards:
+        shard.touch()
+    on = ["eval.knn.enabled=true", "data.val=x", "data.train=y", "eval.features.enabled=true"]
+    same = [*on, "eval.knn.bank.max_samples=2048"]  # the label-free monitor's default count
+    assert features_are_knn_bank(load_config(None, same))
+    assert not features_are_knn_bank(load_config(None, on))  # 10,000 bank images against 2,048
+    assert not features_are_knn_bank(load_config(None, [*same, "eval.features.pooling=mean"]))
+    named = [f"eval.knn.bank.shards={tmp_path}/train-*.tar", f"eval.features.shards=[{shards[0]},{shards[1]}]"]
+    assert features_are_knn_bank(load_config(None, [*same, *named]))
+    assert not features_are_knn_bank(load_config(None, [*same, *named[:1], f"eval.features.shards={shards[0]}"]))
+    mixture = [f"data.train=[{{shards: {shards[0]}}}, {{shards: {shards[1]}}}]", f"eval.knn.bank.shards={shards[0]}"]
+    assert features_are_knn_bank(load_config(None, [*same, *mixture]))  # unset: the mixture's first source
