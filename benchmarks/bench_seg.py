@@ -39,7 +39,7 @@ VIT = ["model.embed_dim=192", "model.depth=6", "model.num_heads=3", "model.img_s
 PRETRAIN = [
     *VIT, "objective.decoder_embed_dim=128", "objective.decoder_num_heads=4", "objective.norm_pix_loss=false",
     "schedule.steps=1000", "schedule.warmup_steps=50", "checkpoint.every_steps=500", "eval.knn.enabled=false",
-    "logging.image_every_steps=0",
+    "eval.features.enabled=false", "logging.image_every_steps=0",
 ]  # fmt: skip
 FINETUNE_STEPS = 600
 RESNET = ["model.arch=resnet", "model.resnet_variant=18", "model.img_size=64", "optim.layer_decay=1.0"]

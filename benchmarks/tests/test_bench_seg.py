@@ -24,6 +24,7 @@ def test_the_arms_compare_one_vit_and_one_budget():
     cfgs = configs(1.0)
     assert cfgs["mae"].stage == "pretrain" and cfgs["mae"].objective.norm_pix_loss is False
     assert str(cfgs["mae"].data.train) == "/tmp/scenes/train" and cfgs["mae"].schedule.steps == 1000
+    assert not cfgs["mae"].eval.knn.enabled and not cfgs["mae"].eval.features.enabled  # no monitor on the scenes
     tuned = {name: cfg for name, cfg in cfgs.items() if name != "mae"}
     assert {cfg.schedule.steps for cfg in tuned.values()} == {600}
     assert {cfg.data.global_batch_size for cfg in tuned.values()} == {32}
