@@ -155,8 +155,8 @@ bench-quality: quickstart-data
 	$(PY) -m benchmarks.bench_quality --shards $(SHARDS) $(QUALITY_ARGS)
 
 # The label-free and few-shot monitors (issue 30): MAE's and SimMIM's bench-quality pretraining with them on, each
-# against kNN top-1 step by step, and their cost to the quickstart's pretraining (with/without, side by side): ~1.5
-# hours on 2 cores, resumable. benchmarks/results/monitors.md. MONITORS_ARGS: e.g. --scale 0.05 for a smoke run.
+# against kNN top-1 step by step, and their cost to the quickstart's pretraining (with/without, side by side): about
+# 70 minutes on 2 cores, resumable. benchmarks/results/monitors.md. MONITORS_ARGS: e.g. --scale 0.05 for a smoke run.
 bench-monitors: quickstart-data
 	$(PY) -m benchmarks.bench_monitors --shards $(SHARDS) $(MONITORS_ARGS)
 

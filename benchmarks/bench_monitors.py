@@ -1,6 +1,6 @@
 """The label-free and few-shot monitors against kNN top-1 (issue 30, `make bench-monitors`), and what they cost.
 
-    .venv/bin/python -m benchmarks.bench_monitors                          # the protocol: ~1.5 hours on 2 CPU cores
+    .venv/bin/python -m benchmarks.bench_monitors                          # the protocol: ~70 minutes on 2 CPU cores
     .venv/bin/python -m benchmarks.bench_monitors --scale 0.05 --overhead-repeats 0          # a smoke run
 
 Part 1, how the monitors move with kNN top-1: the bench-quality pretraining of each objective (recipes/bench/O.yaml,
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from benchmarks.bench_quality import BENCH, Arm, run_arm, scale_overrides
 from benchmarks.quality_report import name_of, objective_of
+from benchmarks.smoke_measure import read_metrics
 from benchmarks.workers import arms_header, write_result
 from core.recipe.config import load_config
 
@@ -77,11 +78,6 @@ def overhead_arms(root: Path, repeats: int, shards: Path, scale: float) -> list[
             run_dir = root / "overhead" / f"{name}{i}"
             arms.append(Arm("pretrain", run_dir, QUICKSTART, (f"run_dir={run_dir}", *data, *scaled, *extra)))
     return arms
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def evaluated_steps(records: list[dict]) -> list[dict]:
