@@ -205,7 +205,7 @@ def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
     b, q, size = knn.bank, knn.query, knn.batch_size_per_device
     bank_loader = monitor_loader(run, "eval.knn.bank.shards", b.shards or cfg.data.train, b.max_samples, size)
     query_loader = monitor_loader(run, "eval.knn.query.shards", q.shards or cfg.data.val, q.max_samples, size)
-    height, width = cfg.model.img_size if isinstance(cfg.model.img_size, tuple) else (cfg.model.img_size,) * 2
+    height, width = cfg.model.image_hw
     encoder = engine.module.encoder
 
     def evaluate(step: int, on_bank: Callable[[torch.Tensor], None] | None = None) -> dict[str, float]:

@@ -169,7 +169,7 @@ def test_base_recipe_is_merged_and_overridden():
 
 
 SEG = ["stage=finetune", "objective.kind=segmentation"]
-SEG_FPN = ["stage=finetune", "objective.kind=segmentation", "objective.head=fpn", "model.arch=resnet"]
+SEG_FPN = [*SEG, "objective.head=fpn", "model.arch=resnet"]
 
 
 def test_a_resnet_takes_the_fpn_heads_at_their_width():
