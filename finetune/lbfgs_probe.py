@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from core.engine.precision import autocast_context
+from core.engine.precision import autocast_context, resolve_precision
 from core.export.handoff import load_encoder
 from core.models.build import build_model
 from core.recipe.config import load_config
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # The encoder as fine-tuning would start from it; token pooling keeps the final norm on every token.
     cfg = load_config(args.recipe, [*args.overrides, "model.global_pool=token"])
+    resolve_precision(cfg, torch.device("cpu"))  # the features are extracted on the CPU
     torch.manual_seed(cfg.seed)  # the random init of a probe without model.init
     classes = dataset_classes(cfg.data.train)
     model = build_model(cfg, num_classes=len(classes), plain=True)

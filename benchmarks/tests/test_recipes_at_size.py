@@ -113,7 +113,7 @@ def test_each_stage_overrides_only_data_length_batch_workers_logging_and_its_han
 
 def test_mae_vitb_pretrains_at_size_and_exports_its_sincos_grid(mae_chain):
     result = mae_chain["mae_vitb"]
-    assert result.cfg.engine.zero_stage == 1 and result.cfg.engine.precision == "bf16"
+    assert result.cfg.engine.zero_stage == 1 and result.cfg.engine.precision == "auto"
     losses = _losses(result.run_dir)
     assert len(losses) == 2 and all(math.isfinite(v) and v > 0 for v in losses)
     assert result.export["shapes"] == {"pos_embed": VIT_B_POS_EMBED, "patch_embed.proj.weight": VIT_B_PATCH_KERNEL}

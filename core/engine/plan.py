@@ -9,8 +9,17 @@ from core.recipe.sections import TrainSource
 from data.specs import dataset_size, describe_shards
 
 
-def launch_plan(cfg: Config, dist: DistInfo, *, total_steps: int, warmup_steps: int, samples: int | None) -> str:
-    """What the run will do, printed once at launch: batch arithmetic, the lr actually used, a mixture's sources."""
+def launch_plan(
+    cfg: Config,
+    dist: DistInfo,
+    *,
+    total_steps: int,
+    warmup_steps: int,
+    samples: int | None,
+    precision_reason: str = "",
+) -> str:
+    """What the run will do, printed once at launch: batch arithmetic, the precision and why, the lr actually used, a
+    mixture's sources."""
     per_device = cfg.batch_size_per_device(dist.world_size)
     rule = (
         f"base_lr {cfg.optim.base_lr:g} x {cfg.data.global_batch_size} / {cfg.optim.lr_base_batch}"
@@ -20,10 +29,11 @@ def launch_plan(cfg: Config, dist: DistInfo, *, total_steps: int, warmup_steps: 
     epochs = (
         f" (~{total_steps * cfg.data.global_batch_size / samples:.2f} epochs of {samples} samples)" if samples else ""
     )
+    precision = f"{cfg.engine.precision} ({precision_reason})" if precision_reason else cfg.engine.precision
     plan = (
         f"[mimpipe] stage {cfg.stage} | objective {cfg.objective.kind} | run_dir {cfg.run_dir}\n"
         f"[mimpipe] world size {dist.world_size} on {dist.device.type} | ZeRO-{cfg.engine.zero_stage} | "
-        f"precision {cfg.engine.precision} | attention {resolve_attention(cfg.engine.attention, dist.device)}\n"
+        f"precision {precision} | attention {resolve_attention(cfg.engine.attention, dist.device)}\n"
         f"[mimpipe] global batch {cfg.data.global_batch_size} = {per_device} per device x "
         f"{cfg.engine.grad_accum_steps} accumulation x {dist.world_size} ranks\n"
         f"[mimpipe] lr {cfg.peak_lr:.4g} ({rule}), min {cfg.optim.min_lr:g}, warmup {warmup_steps} of "

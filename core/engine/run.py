@@ -23,6 +23,7 @@ from core.engine.failure import StageExit, log_tracebacks_to
 from core.engine.loop import LoopHooks, NonFiniteLossError, PreemptedError, train
 from core.engine.parent_death import die_with_launcher
 from core.engine.plan import launch_plan
+from core.engine.precision import resolve_precision
 from core.engine.preempt import EXIT_PREEMPTED
 from core.engine.rollback import TooManyRollbacksError
 from core.engine.setup import parallelize
@@ -69,6 +70,7 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
     preempt.install()
     die_with_launcher()
     dist = init_distributed(cfg.engine.device)
+    precision = resolve_precision(cfg, dist.device)  # `auto` made concrete before config.yaml is written
     if resolve is not None:
         resolve(cfg)
     samples = cfg.data.samples_per_epoch or dataset_size(cfg.data.train)
@@ -88,6 +90,8 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
     )
     for note in notes:
         logger.console(f"[mimpipe] {note}")
+    if precision.warning is not None:
+        logger.console(f"[mimpipe] warning: {precision.warning}")
     if resume is None:  # TensorBoard would keep a run's first hparams anyway; the resumed config is in config.yaml
         logger.hparams(cfg.model_dump(mode="json"))
     # ZeRO-3 logs no perf/mfu (see start_meter), so nothing is measured for it
@@ -95,7 +99,19 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
         None if cfg.engine.zero_stage == 3 else device_peak(cfg.engine.peak_tflops, cfg.engine.precision, dist.device)
     )
     return StageRun(
-        cfg, args.recipe, dist, run_dir, config_yaml, samples, total_steps, warmup_steps, resume, state, logger, peak
+        cfg,
+        args.recipe,
+        dist,
+        run_dir,
+        config_yaml,
+        samples,
+        total_steps,
+        warmup_steps,
+        resume,
+        state,
+        logger,
+        peak,
+        precision.reason,
     )
 
 
@@ -169,7 +185,14 @@ def start_engine(
     )
     seed_everything(cfg.seed + dist.rank)  # per-rank randomness (masks, drop path) from here on
     run.logger.console(
-        launch_plan(cfg, dist, total_steps=run.total_steps, warmup_steps=run.warmup_steps, samples=run.samples)
+        launch_plan(
+            cfg,
+            dist,
+            total_steps=run.total_steps,
+            warmup_steps=run.warmup_steps,
+            samples=run.samples,
+            precision_reason=run.precision_reason,
+        )
     )
     compiled = describe_compiled(engine.module)
     if cfg.engine.compile:

@@ -17,6 +17,7 @@ from core.compat import deepspeed as ds_compat
 from core.compat import timm as timm_compat
 from core.engine.compiled import compile_batch_sizes, compile_blocks
 from core.engine.distributed import DistInfo, all_reduce
+from core.engine.precision import resolve_precision
 from core.engine.zero3_runtime import gather_per_block, use_linear32
 from core.engine.zero_init import build_partitioned
 from core.recipe.config import Config
@@ -100,6 +101,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
     """Every DeepSpeed key that changes behaviour, written explicitly (DeepSpeed's defaults move between versions:
     e.g. `gradient_clipping` defaults to 1.0, which MAE does not use)."""
     e = cfg.engine
+    assert e.precision != "auto", "engine.precision auto is resolved for the device first (resolve_precision)"
     bf16_reduce = e.grad_reduce_dtype == "bf16" and world_size > 1
     return {
         "train_batch_size": cfg.data.global_batch_size,
@@ -246,6 +248,8 @@ def parallelize(
     `load_universal`: the checkpoint to resume is a DeepSpeed universal checkpoint (a world-size change).
     `after_build`: called with the built objective before it moves to the device or into the engine (a warm start;
     under ZeRO-3 its parameters are partitioned then, see zero_init.gathered).
+    `cfg.engine.precision: auto` is made concrete for `dist.device` in place, where the caller has not done it
+    (`start_stage` has, to log why).
 
     Returns:
         (engine, optimizer): the DeepSpeed engine and the Guarded optimizer it steps.
@@ -253,6 +257,7 @@ def parallelize(
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    resolve_precision(cfg, dist.device)
     ds_compat.check(*ds_compat.needed(cfg.engine.zero_stage, cfg.engine.precision))  # a changed internal stops here
     timm_compat.check()  # likewise timm's (core/compat/webdataset.py checks webdataset's when the pipeline is imported)
     if cfg.engine.precision == "fp16" and not get_accelerator().is_fp16_supported():

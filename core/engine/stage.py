@@ -32,3 +32,5 @@ class StageRun:
     """perf/mfu's peak TFLOP/s of one device and where it came from (`device_peak`), found by `start_stage` before the
     data workers start, which would take CPU from a matmul measured while they fill their first batches; None: the
     loop finds it."""
+    precision_reason: str = ""
+    """Why the run uses `cfg.engine.precision` (`core.launch.precision.PrecisionChoice.reason`), for the plan line."""

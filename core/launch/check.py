@@ -157,6 +157,8 @@ def check_launch(argv: list[str] | None, stages: Mapping[str, Callable[[], Stage
         return 2
     for note in findings.relaunch.notes(cfg.run_dir):
         print(f"[mimpipe] {note}", file=sys.stderr)
+    for warning in findings.warnings:
+        print(f"[mimpipe] warning: {warning}", file=sys.stderr)
     if findings.relaunch.finished:
         return 0  # nothing on stdout: launch.sh starts no process
     if args.dry_run:
@@ -165,7 +167,7 @@ def check_launch(argv: list[str] | None, stages: Mapping[str, Callable[[], Stage
         f"[mimpipe] plan: {topo.describe()}; {args.launcher}\n"
         f"[mimpipe] plan: global batch {cfg.data.global_batch_size} = {per_device} per device x "
         f"{cfg.engine.grad_accum_steps} accumulation x {topo.world_size} ranks, lr {cfg.peak_lr:.4g}, "
-        f"ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}\n"
+        f"ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision} ({findings.precision.reason})\n"
         f"[mimpipe] pre-flight: {'; '.join(findings.passed)}",
         file=sys.stderr,
     )

@@ -2,7 +2,8 @@
 with one line naming the recipe key and the file instead of a traceback from every rank minutes later.
 
 Checked here for every stage: `engine.device` can run here (no silent CPU fallback on a node whose GPUs torch
-cannot use); `run_dir` can be created and written; every data split the stage reads resolves to shards, and the
+cannot use); `engine.precision` suits the machine (`auto` made concrete, bf16 refused on a GPU without it);
+`run_dir` can be created and written; every data split the stage reads resolves to shards, and the
 first sample of its first local shard has an image field (and, for fine-tuning, a label `data.decode.read_label` can
 read); a schedule in epochs has a sample count; an evaluation split has a shard for every rank (each rank reads its
 own, `make_eval_loader`); a relaunch into a run_dir whose latest checkpoint another config wrote is refused, and one
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.launch.gpus import cuda_unusable
+from core.launch.precision import PrecisionChoice, choose_precision, launch_machine
 from core.launch.rundir import Relaunch, latest_checkpoint, relaunch
 from core.recipe.config import Config, ConfigError
 from data.decode import IMAGE_FIELDS, LabelError, image_field, read_label
@@ -57,6 +59,10 @@ class Findings:
 
     problems: list[Problem] = field(default_factory=list)
     passed: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What runs, but not as well as it could (printed with the plan)."""
+    precision: PrecisionChoice | None = None
+    """The precision the launch trains in and why (`check_precision`)."""
     relaunch: Relaunch = field(default_factory=Relaunch)
     """What launching into run_dir does: a fresh run, a resume (with the settings it changes), or nothing (finished)."""
 
@@ -89,6 +95,7 @@ def preflight(cfg: Config, stage: StageChecks, *, world_size: int = 1, allow_cha
     """
     findings = Findings()
     check_device(cfg.engine.device, findings)
+    check_precision(cfg, findings)
     check_run_dir(cfg.run_dir, findings)
     labels = cfg.stage == "finetune" and cfg.objective.kind == "classification"  # others read images (and masks)
     resolved = {
@@ -211,6 +218,20 @@ def check_device(device: str, findings: Findings) -> None:
     problem = cuda_unusable(device)
     if problem is not None:
         findings.fail("engine.device", problem)
+
+
+def check_precision(cfg: Config, findings: Findings) -> None:
+    """`engine.precision` suits the machine the launch trains on (core/launch/precision.py): `auto` is made concrete in
+    `cfg` (the plan says which and why, and a relaunch compares the choice with its checkpoint's), bf16 on a GPU
+    without it is refused, bf16 on a CPU without native bf16 warned about."""
+    choice = choose_precision(cfg.engine.precision, launch_machine(cfg.engine.device))
+    if choice.problem is not None:
+        findings.fail("engine.precision", choice.problem)
+        return
+    if choice.warning is not None:
+        findings.warnings.append(choice.warning)
+    cfg.engine.precision = choice.precision
+    findings.precision = choice
 
 
 def check_run_dir(run_dir: str, findings: Findings) -> None:

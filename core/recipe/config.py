@@ -201,9 +201,13 @@ class EngineConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 1
     """DeepSpeed ZeRO stage: 0 replicates everything (plain data parallel); 1 partitions the optimizer state over the
     ranks, 2 also the gradients, 3 also the parameters (docs/gpu.md)."""
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """bf16: autocast over fp32 weights and optimizer state, entered by the DeepSpeed engine around its forward
-    (DeepSpeed's `torch_autocast`); fp16: DeepSpeed fp16 with dynamic loss scaling; fp32."""
+    (DeepSpeed's `torch_autocast`); fp16: DeepSpeed fp16 with dynamic loss scaling; fp32. auto: what the machine
+    runs fastest: bf16 on GPUs of compute capability 8.0 and later and on CPUs with native bf16 (AVX512-BF16, AMX),
+    fp16 on older GPUs (V100, T4), fp32 on other CPUs (core/launch/precision.py); the plan line says which and why,
+    and run_dir/config.yaml holds the choice. An explicit bf16 is refused on a GPU without it and warned about on a
+    CPU without native bf16."""
     grad_reduce_dtype: Literal["bf16", "fp32"] = "bf16"
     """bf16 runs at ZeRO-1/2/3: the dtype in which the gradients of Linear and Conv layers (>99% of a ViT's) are
     reduced across ranks; bf16 halves the bytes a step moves (docs/communication.md). Norms, position embeddings and

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.launching import REPO, free_port, launch, launch_env, read_metrics
@@ -57,6 +58,15 @@ def test_changed_config_is_refused_and_finished_run_does_nothing(zero2_run, tmp_
     assert f"[mimpipe] {run_dir} holds a finished run (step 6, checkpoints/step_00000006, exported)" in proc.stdout
     assert "[mimpipe] stage" not in proc.stdout and "step 1/" not in proc.stdout
     assert snapshot(run_dir) == before  # no training, no export, no config, no log line
+
+    # The recipe leaves engine.precision at auto; the run's config holds what it resolved to on this machine, and the
+    # recipe relaunched resolves it the same way: the same run, not another config.
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["engine"]["precision"] in ("bf16", "fp32")
+    original = zero2_run[0].parent / "tiny_mae.yaml"
+    assert yaml.safe_load(original.read_text()).get("engine", {}).get("precision", "auto") == "auto"
+    proc = launch(original, f"run_dir={run_dir}", timeout=120)
+    assert proc.returncode == 0 and "holds a finished run (step 6" in proc.stdout, proc.stdout[-3000:]
+    assert snapshot(run_dir) == before
 
 
 def test_plain_torchrun_entry_point_decides_the_same(zero2_run, tmp_path):

@@ -29,7 +29,10 @@ TINY = "model.embed_dim=32 model.depth=2 model.num_heads=2 model.img_size=32"
 def compare(arch: str, overrides: str, out: Path, world_size: int) -> dict:
     """Largest |ZeRO-3 - ordinary| over the weights and buffers, the weights' largest magnitude, the held share."""
     tiny = TINY.split() if arch != "vt_resnet" else ["model.img_size=32"]
-    cfg = load_config(None, [*tiny, *overrides.split(), "engine.zero_stage=3", "stage=finetune", f"run_dir={out}"])
+    cfg = load_config(
+        None,
+        [*tiny, *overrides.split(), "engine.zero_stage=3", "engine.precision=bf16", "stage=finetune", f"run_dir={out}"],
+    )
     torch.manual_seed(0)
     model, _ = build_partitioned(lambda: build_model(cfg, num_classes=4), deepspeed_config(cfg, world_size))
     torch.manual_seed(0)

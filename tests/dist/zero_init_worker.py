@@ -94,7 +94,15 @@ def main(out: Path) -> None:
     result = {}
     for kind, overrides in KINDS.items():
         cfg = load_config(
-            None, [*MODEL.split(), *overrides.split(), "engine.zero_stage=3", *OPTIONAL_PATCHES[3], f"run_dir={out}"]
+            None,
+            [
+                *MODEL.split(),
+                *overrides.split(),
+                "engine.zero_stage=3",
+                "engine.precision=bf16",
+                *OPTIONAL_PATCHES[3],
+                f"run_dir={out}",
+            ],
         )
         torch.manual_seed(0)
         objective, layout = build_partitioned(objective_builder(cfg), deepspeed_config(cfg, dist.world_size))

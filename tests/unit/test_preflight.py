@@ -13,6 +13,7 @@ import safetensors.torch
 import torch
 import yaml
 
+from core.engine.precision import resolve_precision
 from core.entry.launch_check import main as launch_check
 from core.launch.disk import checkpoint_room
 from core.launch.rundir import mark_finished
@@ -264,6 +265,7 @@ def test_relaunch_into_a_run_of_another_config_or_a_finished_run(capsys, tmp_pat
     recipe = finetune_recipe(tmp_path, shards)
     cfg = load_config(recipe)
     resolve(cfg)  # as the entry point saved it: model.global_pool resolved
+    resolve_precision(cfg, torch.device("cpu"))  # and engine.precision (auto)
     tag_dir = tmp_path / "run" / "checkpoints" / "step_00000004"
     tag_dir.mkdir(parents=True)
     (tag_dir / "config.yaml").write_text(dump_config(cfg))
