@@ -192,7 +192,6 @@ _PATCH_STAGES = {
     "share_zero3_masters": (3,),
     "share_zero12_masters": (1, 2),
     "skip_identity_grad_passes": (3,),
-    "skip_single_rank_allreduce": (0,),
 }
 """The ZeRO stages at which each optional DeepSpeed patch's engine setting applies."""
 
@@ -265,7 +264,8 @@ class EngineConfig(Section):
     9% and the compile cost more than that saves (core/engine/compiled.py, docs/speed.md)."""
 
     # Optional DeepSpeed patches (docs/deepspeed_patches.md): off by default, since what they save at the recipes'
-    # scale is small, and each is skipped with a warning on a DeepSpeed release it was not checked against.
+    # scale is small, but for the single-rank all-reduce, which a one-GPU run pays on every step; each is skipped with
+    # a warning on a DeepSpeed release it was not checked against.
     share_zero3_masters: bool = False
     """ZeRO-3, memory: step the fp32 parameter partitions themselves instead of DeepSpeed's second fp32 copy (ds_compat
     patch fp32_master_shared; 4 bytes per parameter per rank; not with offload_optimizer)."""
@@ -276,9 +276,11 @@ class EngineConfig(Section):
     skip_identity_grad_passes: bool = False
     """ZeRO-3, speed: drop DeepSpeed's global gradient norm and unscale from the step when they change nothing
     (optim.grad_clip 0, no fp16 loss scaling) (ds_compat patch skip_identity_grad_passes)."""
-    skip_single_rank_allreduce: bool = False
-    """ZeRO-0, speed: on a run of one rank, drop the gradient all-reduce of the backward pass, an identity there
-    (ds_compat patch single_rank_no_allreduce)."""
+    skip_single_rank_allreduce: bool = True
+    """Speed, on by default: at ZeRO-0 on a run of one rank, drop the gradient all-reduce of the backward pass, an
+    identity there (three passes over the gradients and a collective per step; ds_compat patch
+    single_rank_no_allreduce). Other stages and world sizes keep DeepSpeed's reduction, which also fills their
+    partitions."""
 
     @model_validator(mode="after")
     def _check_offload(self) -> EngineConfig:

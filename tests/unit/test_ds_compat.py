@@ -72,9 +72,10 @@ def test_check_runs_every_patch_and_each_has_its_class():
         "checkpoint_writes": "correctness",
     }
     optional = {name for name, patch in PATCHES.items() if patch.kind != "correctness"}
-    assert set(ds_compat.SETTINGS) == optional  # each memory and speed patch has its engine setting, off by default
+    assert set(ds_compat.SETTINGS) == optional  # each memory and speed patch has its engine setting
     engine = load_config(None, []).engine
-    assert not any(getattr(engine, setting) for setting in ds_compat.SETTINGS.values())
+    on_by_default = {setting for setting in ds_compat.SETTINGS.values() if getattr(engine, setting)}
+    assert on_by_default == {"skip_single_rank_allreduce"}  # the others are off by default
 
 
 def test_a_run_checks_only_the_correctness_patches_it_needs():
@@ -236,12 +237,12 @@ def test_single_rank_allreduce_is_dropped_only_at_zero0_on_one_rank():
 
 def _trained(dist, run_dir: Path, stage: int, *settings: str, steps: int = 4):
     """(engine, model, its initial weights) after `steps` bf16-autocast AdamW steps of a small MLP through
-    `parallelize` at `stage`, with the engine `settings` turned on."""
+    `parallelize` at `stage`, with the engine `settings` turned on (or set as given: `name=false`)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
     initial = [p.detach().clone() for p in model.parameters()]
     overrides = [f"run_dir={run_dir}", f"engine.zero_stage={stage}", "data.global_batch_size=4"]
-    cfg = load_config(None, [*overrides, *(f"engine.{setting}=true" for setting in settings)])
+    cfg = load_config(None, [*overrides, *(f"engine.{s}" if "=" in s else f"engine.{s}=true" for s in settings)])
     engine, optimizer = parallelize(model, cfg=cfg, dist=dist, run_dir=run_dir)
     for _ in range(steps):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -262,9 +263,11 @@ def test_one_rank_zero0_trains_the_same_without_the_allreduce(one_rank, tmp_path
     """engine.skip_single_rank_allreduce changes no bit of a one-rank ZeRO-0 run: four steps with and without it."""
     engine, patched, initial = _trained(one_rank, tmp_path, 0, "skip_single_rank_allreduce")
     assert not engine.enable_backward_allreduce
-    engine, plain, _ = _trained(one_rank, tmp_path, 0)
-    assert engine.enable_backward_allreduce  # off by default: DeepSpeed's own backward
+    engine, plain, _ = _trained(one_rank, tmp_path, 0, "skip_single_rank_allreduce=false")
+    assert engine.enable_backward_allreduce  # DeepSpeed's own backward
     _assert_same_training(patched, plain, initial)
+    engine, _, _ = _trained(one_rank, tmp_path, 0)
+    assert not engine.enable_backward_allreduce  # on by default
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -462,7 +465,6 @@ def test_an_unchecked_release_stops_an_fp16_launch_before_anything_is_written(un
 
 
 def test_optional_patch_settings_are_refused_at_a_stage_they_do_not_apply_to():
-    for setting, stage in (("share_zero3_masters", 1), ("share_zero12_masters", 3), ("skip_identity_grad_passes", 2),
-                           ("skip_single_rank_allreduce", 1)):  # fmt: skip
+    for setting, stage in (("share_zero3_masters", 1), ("share_zero12_masters", 3), ("skip_identity_grad_passes", 2)):
         with pytest.raises(ValueError, match=f"engine.{setting} needs engine.zero_stage"):
             load_config(None, [f"engine.zero_stage={stage}", f"engine.{setting}=true"])

@@ -1,7 +1,9 @@
 """The loop reads nothing back from the device on an ordinary step (core/engine/agreement.py): on a GPU every read
 (`.item()`, `.tolist()`, `bool(tensor)`, ...) waits for the queued work and leaves the GPU idle while the host queues
 the next step. On CPU nothing waits, so the reads are counted instead: each read method of torch.Tensor is wrapped to
-record the step during which it was called.
+record the step during which it was called. DeepSpeed's own waits (`get_accelerator().synchronize()`) are counted the
+same way, with the accelerator made to answer as CUDA's does (it does not resolve data dependencies across streams by
+itself, so DeepSpeed synchronises before reusing a buffer a side stream reduced).
 
 Recipe: defaults with a toy objective through `parallelize` (one gloo rank), logging and checkpoints only at the end."""
 
@@ -50,7 +52,21 @@ def _count_reads(monkeypatch, current: list[int]) -> dict[int, list[str]]:
     return reads
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+def _count_device_syncs(monkeypatch, current: list[int]) -> dict[int, int]:
+    """Counts `get_accelerator().synchronize()` per step, the accelerator answering as CUDA's does."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator, syncs = get_accelerator(), {}
+
+    def counted(device_index=None):
+        syncs[current[0]] = syncs.get(current[0], 0) + 1
+
+    monkeypatch.setattr(accelerator, "resolves_data_dependency", lambda: False)
+    monkeypatch.setattr(accelerator, "synchronize", counted)
+    return syncs
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_an_ordinary_step_reads_nothing_back_and_a_sync_step_once(one_rank, tmp_path: Path, monkeypatch, stage):
     sync_every = 4
     cfg = load_config(
@@ -78,8 +94,10 @@ def test_an_ordinary_step_reads_nothing_back_and_a_sync_step_once(one_rank, tmp_
     logger = MetricsLogger(tmp_path, enabled=False, tensorboard=False, total_steps=STEPS)
     run = StageRun(cfg, "", one_rank, tmp_path, dump_config(cfg), None, STEPS, 0, None, TrainState(), logger)
     reads = _count_reads(monkeypatch, current)
+    device_syncs = _count_device_syncs(monkeypatch, current)
     train(run, engine, optimizer, batches(), LoopHooks())
     monkeypatch.undo()
     ordinary = [step for step in range(2, STEPS) if step % sync_every]  # step 1 also reports the first step's time
     assert {step: reads[step] for step in ordinary if step in reads} == {}
+    assert device_syncs == {}  # one rank: no bucket is reduced on a side stream, none waited for
     assert reads[sync_every] == ["tolist"] and reads[2 * sync_every] == ["tolist"]
