@@ -24,7 +24,7 @@ from core.compat.deepspeed import loss_scale, scales_loss_itself, skipped_steps
 from core.engine import preempt
 from core.engine.agreement import StepAgreement
 from core.engine.checkpoint import RNGState, SaveOutcome, save_checkpoint
-from core.engine.compiled import compile_seconds
+from core.engine.compiled import compile_cache_report, compile_seconds
 from core.engine.distributed import all_reduce
 from core.engine.precision import to_device
 from core.engine.rollback import SpikeWatch, roll_back
@@ -293,7 +293,7 @@ class _FirstStep:
         compiling = compile_seconds() - self.compile_start
         if excluded:  # the window holds this step alone: its time (and the set-up before it) starts afresh
             window.start, window.samples, window.data_wait = time.perf_counter(), 0, 0.0
-        part = f", {compiling:.1f} s of it torch.compile" if compiling else ""
+        part = f", {compiling:.1f} s of it torch.compile ({compile_cache_report()})" if compiling else ""
         kept = "excluded from" if excluded else "included in"
         return f"[mimpipe] first step: {seconds:.1f} s{part}; {kept} perf/images_per_sec and perf/mfu"
 

@@ -195,12 +195,14 @@ def start_engine(
         )
     )
     compiled = describe_compiled(engine.module)
-    if cfg.engine.compile:
+    if compiled:
         run.logger.console(
-            f"[mimpipe] engine.compile: {compiled} compiled with inductor on the first step (other batch sizes run "
-            "eagerly)"
-            if compiled
-            else "[mimpipe] engine.compile: the objective has no transformer blocks to compile; it runs eagerly"
+            f"[mimpipe] engine.compile ({cfg.engine.compile}): {compiled} compiled with inductor "
+            f"({cfg.engine.compile_mode} mode) on the first step; other batch sizes run eagerly"
+        )
+    elif cfg.engine.compile is True:
+        run.logger.console(
+            "[mimpipe] engine.compile: the objective has no transformer blocks to compile; it runs eagerly"
         )
     if is_partitioned(engine.module):
         run.logger.console(f"[mimpipe] ZeRO-3 partitioned parameters: {partition_report(engine.module)}")

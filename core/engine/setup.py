@@ -15,7 +15,13 @@ from torch import nn
 
 from core.compat import deepspeed as ds_compat
 from core.compat import timm as timm_compat
-from core.engine.compiled import compile_batch_sizes, compile_blocks
+from core.engine.compiled import (
+    compile_batch_sizes,
+    compile_blocks,
+    compile_objective,
+    compiles,
+    use_compile_cache,
+)
 from core.engine.distributed import DistInfo, all_reduce
 from core.engine.precision import resolve_precision
 from core.engine.zero3_runtime import gather_per_block, use_linear32
@@ -286,8 +292,11 @@ def parallelize(
     if layout is None:
         objective.to(dist.device)  # zero.Init placed the partitions on the device already
     set_attention(objective, cfg.engine.attention, dist.device)
-    if cfg.engine.compile:
-        compile_blocks(objective, compile_batch_sizes(cfg, dist.world_size))
+    if compiles(cfg, dist.device):
+        use_compile_cache()
+        compile_blocks(objective, compile_batch_sizes(cfg, dist.world_size), mode=cfg.engine.compile_mode)
+        if cfg.engine.compile_scope == "objective":
+            compile_objective(objective, cfg.batch_size_per_device(dist.world_size), mode=cfg.engine.compile_mode)
     optimizer = build_optimizer(objective, cfg, layout)
     if cfg.engine.zero_stage == 3:
         gather_per_block(objective)

@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from core.compat.deepspeed import is_partitioned
 from core.engine.checkpoint import RNGState
+from core.engine.compiled import cache_root
 from core.engine.precision import autocast_context, to_device
 from core.engine.setup import set_attention
 from core.engine.stage import StageRun
@@ -188,9 +189,7 @@ def device_peak(configured: float | None, precision: str, device: torch.device) 
 
 def cpu_peak_cache() -> Path:
     """The file of measured CPU peaks: in $MIMPIPE_CACHE_DIR, else $XDG_CACHE_HOME/mimpipe, else ~/.cache/mimpipe."""
-    if os.environ.get("MIMPIPE_CACHE_DIR"):
-        return Path(os.environ["MIMPIPE_CACHE_DIR"]) / "cpu_peak.json"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mimpipe" / "cpu_peak.json"
+    return cache_root() / "cpu_peak.json"
 
 
 def cached_cpu_tflops(precision: str) -> tuple[float, str]:

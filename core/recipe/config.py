@@ -257,11 +257,19 @@ class EngineConfig(Section):
     unknown GPU logs no mfu), on CPU a matmul in the run's precision, measured by the first launch on the machine and
     cached (docs/tensorboard.md)."""
 
-    compile: bool = False
-    """Compile the objective's repeated blocks (encoder `blocks`, MAE's `decoder_blocks`) with torch.compile
-    (inductor), once per block shape: the first step pays the compile (reported in the launch log, kept out of
-    perf/images_per_sec and perf/mfu). ZeRO 0-2. Off by default: on 2 CPU cores the quickstart's steps gained at most
-    9% and the compile cost more than that saves (core/engine/compiled.py, docs/speed.md)."""
+    compile: bool | Literal["auto"] = "auto"
+    """Compile the training step with torch.compile (inductor; core/engine/compiled.py): fused elementwise kernels
+    and fewer launches. auto: on CUDA (but at ZeRO-3), not on a CPU, where the quickstart's steps gained at most 9%
+    and the compile cost more than that saved (docs/speed.md). The first step pays the compile (reported in the
+    launch log, kept out of perf/images_per_sec and perf/mfu); inductor's cache on disk (~/.cache/mimpipe/inductor)
+    turns a relaunch's compile into seconds. Not with ZeRO-3."""
+    compile_scope: Literal["objective", "blocks"] = "objective"
+    """objective: the objective's whole step at the training micro-batch in one graph (masking, encoder, decoder,
+    loss), and the blocks at the evaluation batch sizes; blocks: each transformer block on its own, what lies between
+    them eager."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    """torch.compile's mode: reduce-overhead also replays the compiled graphs as CUDA graphs (one launch for a
+    graph's kernels); max-autotune searches matmul kernels (minutes of compile)."""
 
     # Optional DeepSpeed patches (docs/deepspeed_patches.md): off by default, since what they save at the recipes'
     # scale is small, but for the single-rank all-reduce, which a one-GPU run pays on every step; each is skipped with
@@ -284,7 +292,7 @@ class EngineConfig(Section):
 
     @model_validator(mode="after")
     def _check_offload(self) -> EngineConfig:
-        if self.compile and self.zero_stage == 3:
+        if self.compile is True and self.zero_stage == 3:
             raise ValueError(ZERO3_COMPILE_REASON)
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise ValueError("engine.offload_optimizer needs engine.zero_stage 1, 2 or 3")
