@@ -1,6 +1,6 @@
 # mimpipe: make quickstart | make quickstart-seg | make test | make lint | make bench | make bench-memory | make bench-data |
-#         make bench-startup | make smoke-recipes | make encoders-table | make bench-quality | make bench-monitors |
-#         make bench-seg | make gpu-check
+#         make bench-write | make bench-startup | make smoke-recipes | make encoders-table | make bench-quality |
+#         make bench-monitors | make bench-seg | make gpu-check
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
@@ -10,7 +10,7 @@ FMNIST ?= /usr/share/datasets/fashion-mnist
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: install quickstart quickstart-beit quickstart-data quickstart-seg quickstart-seg-data test test-faults test-unit test-dist lint format bench bench-memory \
-	bench-data bench-resume bench-startup smoke-recipes encoders-table bench-quality bench-monitors bench-seg gpu-check \
+	bench-data bench-write bench-resume bench-startup smoke-recipes encoders-table bench-quality bench-monitors bench-seg gpu-check \
 	recipe-reference
 
 $(PY):
@@ -137,6 +137,11 @@ encoders-table: quickstart-data
 # (torchvision PIL) and the new (data/transforms.py CropFlip) transform, on generated ImageNet-like JPEGs (~10 minutes).
 bench-data: install
 	$(PY) -m benchmarks.bench_data
+
+# Shards written resized (data write --max-side 384) against full size: the write rate at 1 and 2 workers and the
+# pretraining data path's rate over both (~4 minutes once the JPEGs exist): a section of benchmarks/results/data.md.
+bench-write: install
+	$(PY) -m benchmarks.bench_write
 
 # Resume start-up after 1x, 10x and 100x the steps: from the saved data cursor against main's replay of the stream
 # from its start, on generated shards (~3 minutes): benchmarks/results/resume.md.

@@ -56,6 +56,11 @@ SIZE, SCALE, SHUFFLE_BUFFER = (
 # ImageNet's commonest shapes (width, height), weighted: most photos are 500 x 375, some portrait or 3:2.
 SHAPES = [(500, 375)] * 6 + [(375, 500)] * 2 + [(500, 333)] * 2
 LOADERS = ("imagefolder", "ours-old", "ours-new")
+WRITE_SECTION = "<!-- bench_write: begin -->"
+"""Where benchmarks/bench_write.py's section of the results file begins."""
+APPENDED_SECTIONS = "<!-- bench_"
+"""Where the first section other benchmarks append to the results file begins (bench_write's, bench_decode's): a
+rerun of this script rewrites what comes before and keeps them."""
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -201,16 +206,25 @@ def busy_cpu_seconds() -> float:
 
 
 def children_cpu_seconds() -> float:
-    """CPU seconds used so far by the live child processes of this one (the DataLoader workers)."""
-    total = 0.0
-    for children in Path("/proc/self/task").glob("*/children"):
-        for pid in children.read_text().split():
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except FileNotFoundError:
-                continue
-            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+    """CPU seconds used so far by the live descendants of this process: the DataLoader workers, children of the
+    fork server that starts them (data/worker_process.py), and the server."""
+    total, pids = 0.0, _children(os.getpid())
+    while pids:
+        pid = pids.pop()
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+        pids += _children(pid)
     return total
+
+
+def _children(pid: int) -> list[str]:
+    try:
+        return [child for task in Path(f"/proc/{pid}/task").glob("*/children") for child in task.read_text().split()]
+    except FileNotFoundError:  # the process ended meanwhile
+        return []
 
 
 def measure(name: str, root: Path, num_workers: int, args: argparse.Namespace, seed: int) -> dict:
@@ -388,8 +402,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def preload_tcmalloc() -> None:
-    """Runs this script again with tcmalloc preloaded, as launch.sh runs training (the workers inherit it)."""
+def preload_tcmalloc(module: str = "benchmarks.bench_data") -> None:
+    """Runs `python -m module` again with this process's arguments and tcmalloc preloaded, as launch.sh runs training
+    (the workers inherit it)."""
     library = Path(f"/usr/lib/{platform.machine()}-linux-gnu/libtcmalloc_minimal.so.4")
     preloaded = os.environ.get("LD_PRELOAD", "")
     if "tcmalloc" in preloaded:
@@ -397,7 +412,7 @@ def preload_tcmalloc() -> None:
     if not library.is_file():
         sys.exit(f"{library} is not installed (Debian: libtcmalloc-minimal4); use --malloc glibc")
     env = {**os.environ, "LD_PRELOAD": f"{library}:{preloaded}" if preloaded else str(library)}
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.bench_data", *sys.argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     stats = summarize(run_rounds(args.data_dir, args))
     text = report(args, info, (load_before, os.getloadavg()[0]), stages, stats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    kept = args.out.read_text() if args.out.is_file() else ""
+    kept = kept[kept.index(APPENDED_SECTIONS) :] if APPENDED_SECTIONS in kept else ""
+    args.out.write_text(text + "\n" + ("\n" + kept if kept else ""))
     print(text)
     return 0
 

@@ -7,8 +7,9 @@ bf16 compiled (`engine.compile`) and fp32 as a precision control, each at the la
     .venv/bin/python -m benchmarks.bench_gpu --skip-reason   # why this machine would be skipped; empty on a GPU host
 
 Per configuration: images/s per GPU, MFU (the loop's own perf/mfu meter: model FLOPs of a step over the GPU's
-datasheet bf16 dense peak; fp32 against that peak too), the peak memory of the timed steps, and where a step's time
-goes (forward, backward, optimizer step, each measured between GPU syncs). Each measurement is a fresh process
+datasheet bf16 dense peak; fp32 against that peak too), the peak memory of the timed steps, and the step's time on
+the GPU's clock (no synchronisation inside the step; where it goes: the trace, benchmarks/gpu_trace.py). Each
+measurement is a fresh process
 (`gpu_step.py`) running the real loop on one batch read through the recipe's pipeline. The largest batch: doubling
 from `--start-batch` while it fits (halving while it does not), then bisecting to a multiple of `--granularity`.
 Per model, `perf/data_wait_fraction` of a short ./launch.sh run of the recipe at its fastest bf16 configuration,
@@ -131,25 +132,37 @@ def measure_config(recipe: str, precision: str, compiled: bool, shards: Path, sc
 
 
 def summarize(batch: int, result: dict) -> dict[str, float | None]:
-    """Medians over the timed steps: images/s, MFU, forward / backward / optimizer-step milliseconds, peak GiB."""
-    step, backward, optim = (statistics.median(result[k]) for k in ("step", "backward", "step_phase"))
+    """Medians over the timed steps (timed on the GPU's clock, gpu_step.py): images/s, MFU, step milliseconds and
+    their spread, peak GiB."""
+    step_ms = statistics.median(result["step_ms"])
     mfu = None
     if result.get("flops_per_step") and result.get("peak_flops"):
-        mfu = result["flops_per_step"] / step / result["peak_flops"]
+        mfu = result["flops_per_step"] / (step_ms / 1e3) / result["peak_flops"]
     return {
-        "images_per_sec": batch / step,
+        "images_per_sec": batch / (step_ms / 1e3),
         "mfu": mfu,
-        "forward_ms": 1e3 * (step - backward - optim),
-        "backward_ms": 1e3 * backward,
-        "optimizer_ms": 1e3 * optim,
+        "step_ms": step_ms,
+        "min_ms": min(result["step_ms"]),
+        "max_ms": max(result["step_ms"]),
         "peak_allocated_gib": result["peak_allocated_gib"],
         "peak_reserved_gib": result["peak_reserved_gib"],
     }
 
 
-def data_wait(recipe: str, batch: int, compiled: bool, shards: Path, scratch: Path, steps: int) -> dict:
-    """A ./launch.sh run of `recipe` on one GPU with its own data workers: perf/data_wait_fraction, images/s and
-    perf/mfu, medians of the logged windows after the first (whose workers are still filling their buffers)."""
+def data_wait(
+    recipe: str,
+    batch: int,
+    compiled: bool,
+    shards: Path,
+    scratch: Path,
+    steps: int,
+    *,
+    extra: tuple[str, ...] = (),
+    timeout: float = 1800,
+) -> dict:
+    """A ./launch.sh run of `recipe` on one GPU with its own data workers (and the `extra` overrides):
+    perf/data_wait_fraction, images/s and perf/mfu, medians of the logged windows after the first (whose workers are
+    still filling their buffers). A run past `timeout` seconds is killed: {"error": "timed out ..."}."""
     from benchmarks.smoke_measure import launch, read_metrics
 
     run_dir = scratch / f"{recipe}_data"
@@ -158,10 +171,12 @@ def data_wait(recipe: str, batch: int, compiled: bool, shards: Path, scratch: Pa
         "engine.precision=bf16", f"engine.compile={str(compiled).lower()}", "schedule.epochs=null",
         f"schedule.steps={steps}", "schedule.warmup_epochs=null", "schedule.warmup_steps=1",
         f"logging.every_steps={max(steps // 4, 1)}", "logging.image_every_steps=0", f"checkpoint.every_steps={NEVER}",
-        "checkpoint.keep_last=1", "checkpoint.export_at_end=false",
+        "checkpoint.keep_last=1", "checkpoint.export_at_end=false", *extra,
     ]  # fmt: skip
     run_dir.mkdir(parents=True)
-    run = launch(RECIPES / f"{recipe}.yaml", overrides, run_dir / "launch.log", timeout=1800)
+    run = launch(RECIPES / f"{recipe}.yaml", overrides, run_dir / "launch.log", timeout=timeout)
+    if run["exit_code"] == -9:
+        return {"error": f"timed out after {timeout:.0f} s"}
     if run["exit_code"] != 0:
         tail = (run_dir / "launch.log").read_text().strip().splitlines()[-10:]
         return {"error": f"exit code {run['exit_code']}: " + " | ".join(tail)}
@@ -184,20 +199,19 @@ def config_row(model: str, mode: str, search: Search) -> str:
     too_big = search.first_too_big
     limit = f"out of memory at {too_big}" if too_big else "fits at every batch tried"
     if search.batch is None:
-        return f"| {model} | {mode} | none fits | - | - | - | - | - | {limit} |"
+        return f"| {model} | {mode} | none fits | - | - | - | - | {limit} |"
     s = summarize(search.batch, search.result)
-    times = " / ".join(f"{s[k]:.0f}" for k in ("forward_ms", "backward_ms", "optimizer_ms"))
     return (
         f"| {model} | {mode} | {search.batch} | {s['images_per_sec']:.1f} | {_num(s['mfu'], '.1%')} | "
-        f"{s['peak_allocated_gib']:.1f} / {s['peak_reserved_gib']:.1f} | {times} | "
-        f"{(s['forward_ms'] + s['backward_ms'] + s['optimizer_ms']):.0f} | {limit} |"
+        f"{s['peak_allocated_gib']:.1f} / {s['peak_reserved_gib']:.1f} | "
+        f"{s['step_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {limit} |"
     )
 
 
 def failed_row(model: str, mode: str, err: Exception) -> str:
     """The row of a configuration whose worker failed: the last line of its output (the console has the rest)."""
     last = str(err).strip().splitlines()[-1].replace("|", "/")
-    return f"| {model} | {mode} | failed: {last} | - | - | - | - | - | - |"
+    return f"| {model} | {mode} | failed: {last} | - | - | - | - | - |"
 
 
 def data_row(model: str, mode: str, batch: int, workers: int, measured: dict) -> str:
@@ -211,8 +225,8 @@ def data_row(model: str, mode: str, batch: int, workers: int, measured: dict) ->
 
 CONFIG_HEAD = [
     "| model | configuration | batch per GPU (largest that fits) | images/s per GPU | MFU | peak GiB (allocated / "
-    "reserved) | forward / backward / optimizer step, ms | step, ms | batch search |",
-    "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    "reserved) | step, ms: median (min-max) | batch search |",
+    "|---|---|---:|---:|---:|---:|---:|---|",
 ]
 DATA_HEAD = [
     "| model | configuration | batch per GPU | data workers (recipe) | perf/data_wait_fraction | images/s | perf/mfu |",
@@ -222,8 +236,9 @@ NOTES = [
     "- MFU: the loop's perf/mfu meter (model FLOPs of forward + backward, counted by torch's FlopCounterMode, over "
     "the GPU's datasheet bf16 dense peak; the fp32 control against the same peak, its matmuls as `engine.tf32` has "
     "them). Goal (issue 26): ViT-L/16 at 50% or more with data wait under 5%.",
-    "- Where the time goes: backward and optimizer step (`engine.backward`, `engine.step`) are timed between GPU "
-    "syncs; forward is the rest of the step (host-to-device copy, forward, loss). The syncs cost a little overlap.",
+    "- Step time: CUDA events recorded as each step draws its batch, read once after the timed steps: the GPU's time "
+    "for everything the host queued for the step, with no synchronisation inside it. Where the time goes inside a "
+    "step: the trace (benchmarks/gpu_trace.py, benchmarks/gpu_lease.py).",
     "- Peak memory: torch's allocator over the timed steps (allocated by tensors / reserved from the driver).",
     "- Data wait: a ./launch.sh run of the recipe (its data workers, its pipeline, one GPU) on generated ImageNet-like "
     "JPEGs; medians of the logged windows after the first.",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from data.decode import image_field, read_label
+from data.progress import Progress
 from data.specs import INDEX_FILE, resolve_shards
 
 # As webdataset reads a tar: metadata members `__name__` are skipped, a member `dir/key.ext.more` is field
@@ -110,7 +111,12 @@ def count_shard(path: str, label_field: str | None) -> ShardCount:
 
 
 def index_shards(
-    spec: str | list[str], *, label_field: str | None = None, out: str | None = None, force: bool = False
+    spec: str | list[str],
+    *,
+    label_field: str | None = None,
+    out: str | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Scans local shards and writes their `index.json` (atomically), in `data/write.py`'s format.
 
@@ -122,6 +128,7 @@ def index_shards(
         label_field: Read labels from this integer field of each sample's `.json` (as `data.label_field`).
         out: Folder for `index.json` (default: the shards' folder); shard names are relative to it.
         force: Replace an `index.json` already there.
+        progress: Advanced by one per shard scanned.
 
     Returns:
         The path of the index written and its contents; `num_without_image` counts the keys with no image field.
@@ -141,7 +148,11 @@ def index_shards(
     path = os.path.join(folder, INDEX_FILE)
     if os.path.exists(path) and not force:
         raise ValueError(f"{path} already exists; pass --force to rewrite it")
-    counts = [count_shard(s, label_field) for s in shards]
+    counts = []
+    for shard in shards:
+        counts.append(count_shard(shard, label_field))
+        if progress is not None:
+            progress.advance()
     labels = sum((c.labels for c in counts), Counter())
     num_samples = sum(c.num_samples for c in counts)
     labelled = num_samples > 0 and (label_field is not None or not any(c.num_without_cls for c in counts))

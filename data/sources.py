@@ -10,13 +10,13 @@ class by class, and a stream can only mix what sits near each other in the shard
 
 import gzip
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data.decode import IMAGE_FIELDS
+from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = [
@@ -62,6 +62,27 @@ class Source(NamedTuple):
     def samples(self, order: Iterable[int] | None = None) -> Iterator[Sample]:
         """The samples in `order` (indices into the source; default: source order), each loaded when reached."""
         return map(self.load, range(self.num_samples) if order is None else order)
+
+    def select(self, order: Sequence[int]) -> "Selection":
+        """The samples in `order` as a sequence: item k is sample `order[k]`, loaded when indexed."""
+        return Selection(self.load, order)
+
+
+class Selection(Sequence[Sample]):
+    """Samples of a source in a given order, each loaded when indexed, in whichever process indexes it: the worker
+    processes of `python -m data write --workers N` share it by index, and load what they encode."""
+
+    def __init__(self, load: Callable[[int], Sample], order: Sequence[int]):
+        self.load, self.order = load, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, k: int) -> Sample:
+        return self.load(self.order[k])
+
+    def __iter__(self) -> Iterator[Sample]:
+        return map(self.load, self.order)
 
 
 def shuffled_order(num_samples: int, seed: int) -> list[int]:
@@ -154,9 +175,12 @@ def image_folder(path: str, split: str) -> Source:
             with open(file, "rb") as f:
                 image = f.read()
         else:
-            with Image.open(file) as img:
-                img.load()
-                image = img
+            try:
+                with Image.open(file) as img:
+                    img.load()
+                    image = img
+            except CORRUPT_IMAGE_ERRORS as exn:
+                raise ValueError(f"sample {split}_{i:08d} ({meta['path']}): its image does not decode ({exn})") from exn
         return Sample(f"{split}_{i:08d}", image, label, meta)
 
     return Source(classes, len(files), load)

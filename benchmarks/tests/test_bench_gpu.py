@@ -45,12 +45,12 @@ def test_nothing_fits():
     assert search.batch is None and search.result is None and seen == [4, 2, 1]
 
 
-RESULT = {  # 3 timed steps of 0.5 s each: 0.2 s backward, 0.1 s optimizer step
-    "step": [0.5, 0.4, 0.6],
-    "backward": [0.2, 0.2, 0.2],
-    "step_phase": [0.1, 0.1, 0.1],
+RESULT = {  # 3 timed steps of 0.4, 0.5 and 0.6 s on the GPU's clock
+    "step_ms": [500.0, 400.0, 600.0],
+    "losses": [1.0, 0.9, 0.8],
     "peak_allocated_gib": 61.04,
     "peak_reserved_gib": 70.5,
+    "compile_seconds": 0.0,
     "flops_per_step": 2.5e14,
     "peak_flops": 989e12,
 }
@@ -60,10 +60,10 @@ def test_summary_and_row_of_a_measured_configuration():
     s = summarize(256, RESULT)
     assert s["images_per_sec"] == pytest.approx(512.0)
     assert s["mfu"] == pytest.approx(2.5e14 / 0.5 / 989e12)
-    assert (s["forward_ms"], s["backward_ms"], s["optimizer_ms"]) == pytest.approx((200.0, 200.0, 100.0))
+    assert (s["step_ms"], s["min_ms"], s["max_ms"]) == (500.0, 400.0, 600.0)
     search = Search(tried={128: True, 256: True, 512: False, 384: False}, batch=256, result=RESULT)
     assert config_row("ViT-L/16", "bf16 eager", search) == (
-        "| ViT-L/16 | bf16 eager | 256 | 512.0 | 50.6% | 61.0 / 70.5 | 200 / 200 / 100 | 500 | out of memory at 384 |"
+        "| ViT-L/16 | bf16 eager | 256 | 512.0 | 50.6% | 61.0 / 70.5 | 500.0 (400.0-600.0) | out of memory at 384 |"
     )
 
 
@@ -72,7 +72,7 @@ def test_rows_without_mfu_without_a_fit_and_of_the_data_run():
     row = config_row("ViT-B/16", "fp32 eager (control)", Search(tried={64: True}, batch=64, result=unknown_peak))
     assert "| 64 | 128.0 | - |" in row and row.endswith("| fits at every batch tried |")
     none = config_row("ViT-L/16", "fp32 eager (control)", Search(tried={8: False, 4: False, 2: False, 1: False}))
-    assert none == "| ViT-L/16 | fp32 eager (control) | none fits | - | - | - | - | - | out of memory at 1 |"
+    assert none == "| ViT-L/16 | fp32 eager (control) | none fits | - | - | - | - | out of memory at 1 |"
     measured = {"wait": 0.031, "ips": 2150.0, "mfu": 0.41}
     assert data_row("ViT-B/16", "bf16 compiled", 384, 10, measured) == (
         "| ViT-B/16 | bf16 compiled | 384 | 10 | 3.1% | 2150.0 | 41.0% |"
@@ -106,7 +106,7 @@ def test_with_a_gpu_there_is_no_skip_reason(monkeypatch, capsys):
 def test_a_failed_worker_is_a_row_saying_so():
     err = RuntimeError("bf16 compiled failed (exit 1):\nTraceback ...\ntriton.CompilationError: a | b")
     assert bench_gpu.failed_row("ViT-B/16", "bf16 compiled", err) == (
-        "| ViT-B/16 | bf16 compiled | failed: triton.CompilationError: a / b | - | - | - | - | - | - |"
+        "| ViT-B/16 | bf16 compiled | failed: triton.CompilationError: a / b | - | - | - | - | - |"
     )
 
 
@@ -120,9 +120,8 @@ def test_modes_choose_the_configurations_and_a_bad_one_is_refused(monkeypatch, t
             asked.append((precision, compiled, batch))
             if batch > 128:
                 return None
-            step = 0.1 if compiled else 0.2
-            return {"step": [step], "backward": [step / 2], "step_phase": [0.0], "peak_allocated_gib": 1.0,
-                    "peak_reserved_gib": 2.0}  # fmt: skip
+            step_ms = 100.0 if compiled else 200.0
+            return {"step_ms": [step_ms], "peak_allocated_gib": 1.0, "peak_reserved_gib": 2.0}
 
         return measure
 
