@@ -9,6 +9,12 @@ dies with a bus error); a per-device batch of 64 is 9.6 MB, so 2 workers (4 batc
 float32 needed 154 MB. More workers or larger batches still need `docker run --shm-size=...` (or `--ipc=host`):
 about 2 x workers x batch x 3 x H x W bytes, plus a BEiT tokenizer view.
 
+With `data.decode: device` the workers hand over most JPEGs still encoded, with the crop box and flip they drew, and
+the batch is decoded and rendered here (data/device_decode.py). JPEG bytes are 5-10x smaller than the decoded image
+(a 500 x 375 photo at quality 90: ~95 KB against 563 KB), but the worker path ships the 224 px crop, not the image,
+and an ImageNet-sized JPEG is about that crop's size (147 KB as uint8): /dev/shm per batch stays about the same (less
+for larger outputs, more for a 112 px tokenizer crop). The saving is the workers' CPU.
+
 A batch carries what the device needs, so that every path that feeds a model (the training loop, evaluation, the
 kNN monitor, pictures, the FLOP count) turns it into the same input by calling `batch_to_device`, with no other
 knowledge of the recipe:
@@ -18,7 +24,9 @@ knowledge of the recipe:
     "erase"      (B, 5) int64: per sample the random-erasing box (top, left, height, width; height 0 for none) the
                  worker drew, and a seed for its noise (`EraseBoxes`)
     "mix"        `data.mixing.MixDraw`: the Mixup / CutMix draw made in the training process (data/mixing.py)
-The three are consumed here; the model sees "image" (B, 3, H, W) float32 and the other fields as before.
+The three are consumed here; the model sees "image" (B, 3, H, W) float32 and the other fields as before. An "image"
+that is a `data.device_decode.DeviceCrops` (`data.decode: device`) is decoded and rendered here first, into the
+(B, 3, H, W) uint8 the workers would have made.
 
 Order, as timm's pipeline has it (erasing in the worker after normalisation, mixing on whole batches after):
 normalise, erase, mix. The copies are `non_blocking`: the loader pins every tensor of a batch (CUDA present), and
@@ -35,6 +43,7 @@ from collections.abc import Sequence
 
 import torch
 
+from data.device_decode import DeviceCrops, decode_crops
 from data.mixing import MixDraw, apply_mix
 
 ERASE_FIELDS = 5
@@ -124,13 +133,21 @@ def batch_seed(boxes: torch.Tensor) -> int:
 
 
 def batch_to_device(batch: dict, device: torch.device) -> dict:
-    """The model's input in float32: tensors copied to `device` (non_blocking), the uint8 fields "normalise" names
-    normalised, the "erase" boxes filled, the "mix" draw applied.
+    """The model's input in float32: tensors copied to `device` (non_blocking), JPEGs left to the device decoded
+    (`data.decode: device`), the uint8 fields "normalise" names normalised, the "erase" boxes filled, the "mix" draw
+    applied.
 
-    A batch without these fields (a stand-in of float zeros, a synthetic benchmark batch) is only copied.
+    A batch without these fields (a stand-in of float zeros, a synthetic benchmark batch) is only copied. A JPEG that
+    decodes neither on the device nor with Pillow becomes a black image and is added to `batch["num_corrupt"]`, the
+    host count the training loop reads after this call (data/device_decode.py).
     """
     seed = batch_seed(batch["erase"]) if "erase" in batch else 0
     out = {key: _copy(value, device) for key, value in batch.items() if key not in ("normalise", "erase", "mix")}
+    if isinstance(batch.get("image"), DeviceCrops):
+        out["image"], failed = decode_crops(batch["image"], device, batch["key"])
+        if failed:
+            batch["num_corrupt"] = batch["num_corrupt"] + len(failed)
+            out["num_corrupt"] = _copy(batch["num_corrupt"], device)
     for field, affine in batch.get("normalise", {}).items():
         out[field] = normalise(out[field], affine.to(device, non_blocking=True))
     if "erase" in batch:

@@ -17,7 +17,9 @@ loader never disturbs the trainer's randomness (e.g. MAE mask noise).
 
 Images: a transform with a `normalisation` attribute (data/transforms.py) emits uint8 images, which cross from the
 workers in a quarter of float32's shared memory; every batch carries that attribute as "normalise", and
-`data.device.batch_to_device` normalises the images on the device.
+`data.device.batch_to_device` normalises the images on the device. With `data.decode: device` the pretraining crop
+emits most JPEGs undecoded, with their box and flip, and the batch's "image" carries both kinds
+(data/device_decode.py `DeviceCrops`), turned into pixels by `batch_to_device` as well.
 
 Shards: each is read by data/shard_read.py, with a timeout and retries. A training shard that fails every try is
 skipped, logged and counted ("num_shard_reads" and "num_skipped_shards" travel with the batches as "num_corrupt"
@@ -55,6 +57,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from core.compat import webdataset as wds_compat
 from data.cursor import StreamCursor, start_position
 from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS, decode_rgb, image_field, read_label
+from data.device_decode import stack_images
 from data.order import TrainOrder
 from data.segmentation import decode_mask
 from data.shard_read import ShardCounts, ShardReadPolicy, read_shard
@@ -391,9 +394,12 @@ class MaskError(ValueError):
 def _collate(
     samples: list[dict[str, Any]], normalisation: dict[str, torch.Tensor] | None, counts: ShardCounts
 ) -> dict[str, Any]:
-    """Stacks the transform outputs into (B, ...) tensors; labels (B,) (all -1 without labels), keys, num_corrupt,
-    the shard reads `counts` took since the last batch, and the transform's `normalisation` (None: none)."""
-    batch = {name: torch.stack([s[name] for s in samples]) for name in samples[0] if name not in _PER_SAMPLE_FIELDS}
+    """Stacks the transform outputs into (B, ...) tensors ("image" a `DeviceCrops` when it holds JPEGs for the
+    device, `data.device_decode.stack_images`); labels (B,) (all -1 without labels), keys, num_corrupt, the shard
+    reads `counts` took since the last batch, and the transform's `normalisation` (None: none)."""
+    stack = {"image": stack_images}
+    names = [name for name in samples[0] if name not in _PER_SAMPLE_FIELDS]
+    batch = {name: stack.get(name, torch.stack)([s[name] for s in samples]) for name in names}
     batch["label"] = torch.tensor([s["label"] for s in samples], dtype=torch.int64)  # (B,)
     batch["key"] = [s["key"] for s in samples]
     batch["num_corrupt"] = torch.tensor(sum(s["num_corrupt"] for s in samples), dtype=torch.int64)

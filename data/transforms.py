@@ -9,12 +9,14 @@ All randomness comes from the global torch / python / numpy RNGs, which the data
 
 A transform with a `decode(bytes)` method decodes its own images: the data pipeline calls it, where it catches and
 counts corrupt images, instead of `data.decode.decode_rgb`, and passes what it returns to the transform. The
-pretraining crops use this to decode JPEGs at a reduced size when their crop allows it (`CropFlip`).
+pretraining crops use this to decode JPEGs at a reduced size when their crop allows it (`CropFlip`), or, with
+`data.decode: device`, to leave most JPEGs undecoded: the transform then emits the file, the box and the flip, and
+the device decodes and renders them (data/device_decode.py).
 """
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -28,6 +30,7 @@ from torchvision import transforms as T
 from core.compat.timm import posterize_at_least_1_bit
 from data.decode import ReducedImage, decode_rgb_reduced, to_rgb
 from data.device import EraseBoxes, normalisation
+from data.device_decode import DeviceJpeg, JpegCrop, device_jpeg
 
 IMAGENET_MEAN = IMAGENET_DEFAULT_MEAN
 IMAGENET_STD = IMAGENET_DEFAULT_STD
@@ -38,6 +41,7 @@ def pretrain_transform(
     mean: Sequence[float],
     std: Sequence[float],
     scale: tuple[float, float] = (0.2, 1.0),
+    decode: Literal["worker", "device"] = "worker",
 ) -> "CropFlip":
     """MAE's pretraining augmentation: bicubic RandomResizedCrop and a horizontal flip, nothing else.
 
@@ -50,8 +54,11 @@ def pretrain_transform(
         mean: Per-channel mean subtracted after scaling pixels to [0, 1].
         std: Per-channel standard deviation divided by.
         scale: Range of the crop's area as a fraction of the image.
+        decode: Where JPEGs are decoded and rendered (`data.decode`): in the data worker, or on the training device
+            for those it can take (data/device_decode.py).
     """
-    return CropFlip([View(img_size, T.InterpolationMode.BICUBIC, mean, std)], scale=scale)
+    view = View(img_size, T.InterpolationMode.BICUBIC, mean, std)
+    return CropFlip([view], scale=scale, device_decode=decode == "device")
 
 
 def finetune_train_transform(
@@ -178,11 +185,20 @@ class CropFlip:
       a pixel of the output). An ImageNet photo (~500 x 375) is never reduced for a 224 px crop; a 12 MP one is,
       by 4 at scale (0.2, 1).
 
+    With `device_decode` (`data.decode: device`, one bicubic view), `decode` only reads the header of a JPEG the
+    device can take (`data.device_decode.device_jpeg`), and the transform returns the file with the box and flip it
+    draws (a `JpegCrop`), which the device renders as this class would (data/device_decode.py); the other images are
+    decoded and rendered here.
+
     Args:
         views: The renderings, each of the same box and flip.
         scale: Range of the box's area as a fraction of the image (torchvision's `scale`).
         ratio: Range of the box's aspect ratio, width / height (torchvision's `ratio`).
         hflip: Probability of flipping horizontally.
+        device_decode: Leave the JPEGs the device can decode to the device.
+
+    Raises:
+        ValueError: `device_decode` with another view than one bicubic one (the device renders only that).
     """
 
     def __init__(
@@ -191,18 +207,24 @@ class CropFlip:
         scale: tuple[float, float] = (0.2, 1.0),
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         hflip: float = 0.5,
+        device_decode: bool = False,
     ):
         self.scale, self.ratio, self.hflip = tuple(scale), tuple(ratio), hflip
         self.renderings = [(to_2tuple(v.size), v.interpolation) for v in views]  # per view: (height, width), filter
         self.normalisation = {"image": normalisation(views[0].mean, views[0].std)}  # what __call__ emits
+        if device_decode and [mode for _, mode in self.renderings] != [T.InterpolationMode.BICUBIC]:
+            raise ValueError("data.decode device renders one bicubic view on the device, not these views")
+        self.device_decode = device_decode
 
-    def decode(self, data: bytes) -> ReducedImage:
-        """Decodes image bytes to RGB, a JPEG at the largest reduction this crop allows (see the class docstring).
+    def decode(self, data: bytes) -> ReducedImage | DeviceJpeg:
+        """Decodes image bytes to RGB, a JPEG at the largest reduction this crop allows (see the class docstring);
+        with `device_decode`, a JPEG the device can take is only read up to its header.
 
         Raises:
-            One of `data.decode.CORRUPT_IMAGE_ERRORS` for bytes that do not decode.
+            One of `data.decode.CORRUPT_IMAGE_ERRORS` for bytes that do not decode (a header, with `device_decode`).
         """
-        return decode_rgb_reduced(data, self.max_reduction)
+        jpeg = device_jpeg(data) if self.device_decode else None
+        return jpeg if jpeg is not None else decode_rgb_reduced(data, self.max_reduction)
 
     def max_reduction(self, width: int, height: int) -> int:
         """The largest JPEG reduction (1, 2, 4 or 8) at which every box this crop can draw on a full-size
@@ -212,8 +234,11 @@ class CropFlip:
         need_height, need_width = max(h for h, _ in sizes), max(w for _, w in sizes)
         return next((r for r in (8, 4, 2) if box_width >= r * need_width and box_height >= r * need_height), 1)
 
-    def __call__(self, image: Image.Image | ReducedImage) -> torch.Tensor:
-        """The first view, (3, H, W) uint8."""
+    def __call__(self, image: Image.Image | ReducedImage | DeviceJpeg) -> torch.Tensor | JpegCrop:
+        """The first view, (3, H, W) uint8; for a JPEG left to the device, its file with the box and flip drawn."""
+        if isinstance(image, DeviceJpeg):
+            box, flip = self.draw(image.full_size)  # the draws `pixels` makes
+            return JpegCrop(image.data, box, flip, self.renderings[0][0])
         return self.pixels(image)[0]
 
     def pixels(self, image: Image.Image | ReducedImage) -> list[torch.Tensor]:

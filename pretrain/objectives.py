@@ -58,7 +58,8 @@ def _simmim_builder(cfg: Config) -> Callable[[], nn.Module]:
 
 
 def _mae_transform(cfg: Config):
-    return pretrain_transform(cfg.model.img_size, cfg.data.mean, cfg.data.std, scale=cfg.data.crop_scale)
+    d = cfg.data
+    return pretrain_transform(cfg.model.img_size, d.mean, d.std, scale=d.crop_scale, decode=d.decode)
 
 
 def _beit_transform(cfg: Config):

@@ -78,7 +78,8 @@ def train_tokenizer(run: StageRun) -> int:
     img_size = cfg.objective.img_size
 
     # Data: MAE's crop-and-flip at the tokenizer's resolution
-    transform = pretrain_transform(img_size, cfg.data.mean, cfg.data.std, scale=cfg.data.crop_scale)
+    d = cfg.data
+    transform = pretrain_transform(img_size, d.mean, d.std, scale=d.crop_scale, decode=d.decode)
     batches = train_stream(run, transform, labels=False)
 
     # Model (same init on every rank). Its EMA codebook statistics are summed over ranks so every rank keeps the

@@ -120,10 +120,11 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
             if first_batch is None:
                 first_batch = batch
             state.consume(batch)
+            inputs = to_device(batch, device, precision)  # first: it counts a JPEG the device cannot decode
             window.corrupt += batch["num_corrupt"]
             window.shard_reads += batch["num_shard_reads"]
             window.skipped_shards += batch["num_skipped_shards"]
-            out = engine(to_device(batch, device, precision))  # bf16: the engine's autocast (setup.py)
+            out = engine(inputs)  # bf16: the engine's autocast (setup.py)
             engine.backward(out["loss"] * loss_scale(engine) if scale_loss else out["loss"])
             step_loss += out["loss"].detach().float()
             window.add_scalars(out)

@@ -94,6 +94,14 @@ class DataConfig(Section):
     model."""
     crop_scale: tuple[float, float] = (0.2, 1.0)
     """RandomResizedCrop area range (MAE pretraining: 0.2-1.0)."""
+    decode: Literal["worker", "device"] = "worker"
+    """Where the pretraining crop's JPEGs are decoded: worker (in the data workers); device: the workers read only
+    each JPEG's header and draw its box and flip (the same draws), and the training process decodes the batch on its
+    device (nvJPEG on a GPU) and crops, resizes and flips it there: ~20x less worker CPU per ImageNet-sized JPEG in
+    the transform (3-7x the images per worker CPU-second for the whole loader), for some GPU time (docs/speed.md).
+    PNGs, greyscale, CMYK, progressive and EXIF-rotated JPEGs are still decoded in the workers. Pretraining (MAE,
+    SimMIM, BEiT-style with a pixel or colour target) and the tokenizer stage; not fine-tuning, nor BEiT's tokenizer
+    target (its second view)."""
     eval_crop_pct: float = Field(0.875, gt=0.0, le=1.0)
     """Evaluation view: resize the shorter side to img_size / eval_crop_pct, then centre-crop img_size (timm's
     crop_pct); 1 crops nothing away."""
@@ -422,6 +430,11 @@ class Config(Section):
             budget = self.objective.mask.budget(num_patches)
             if not 0 < budget < num_patches:
                 raise ValueError(f"objective.mask masks {budget} of {num_patches} patches; need 1 to {num_patches - 1}")
+            if self.data.decode == "device" and self.objective.target.kind == "tokenizer":
+                raise ValueError(
+                    "data.decode device does not fit objective.target.kind tokenizer: its second view (the "
+                    "tokenizer's, Lanczos) is rendered in the data workers only; use data.decode worker"
+                )
         in_epochs = self.schedule.epochs is not None or self.schedule.warmup_epochs is not None
         if in_epochs and self.data.is_mixture and self.data.samples_per_epoch is None:
             raise ValueError(

@@ -36,6 +36,9 @@ IGNORED: dict[str, dict[str, str]] = {
         "engine.attention": "the VQ-VAE has no attention layers",
         "optim.layer_decay": "the VQ-VAE has no blocks to decay the learning rate over",
     },
+    "finetune": {
+        "data.decode": "fine-tuning's crops (policies, erasing, segmentation's) decode in the data workers",
+    },
     "finetune/segmentation": {
         "model.head_init": "the encoder gets no classifier; the segmentation head has its own init",
         "model.head_init_std": "the encoder gets no classifier; the segmentation head has its own init",
