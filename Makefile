@@ -1,6 +1,6 @@
 # mimpipe: make quickstart | make quickstart-seg | make test | make lint | make bench | make bench-memory | make bench-data |
 #         make bench-write | make bench-startup | make smoke-recipes | make encoders-table | make bench-quality |
-#         make bench-monitors | make bench-seg | make gpu-check
+#         make bench-monitors | make bench-seg | make gpu-check | make lease-wheels
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
@@ -11,7 +11,7 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: install quickstart quickstart-beit quickstart-data quickstart-seg quickstart-seg-data test test-faults test-unit test-dist lint format bench bench-memory \
 	bench-data bench-write bench-resume bench-startup smoke-recipes encoders-table bench-quality bench-monitors bench-seg gpu-check \
-	recipe-reference
+	lease-wheels recipe-reference
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -180,3 +180,16 @@ gpu-check: install
 	if [ -n "$$reason" ]; then echo "make gpu-check: skipped, $$reason"; exit 0; fi; \
 	tests=0; $(PY) -m pytest -q tests/gpu || tests=$$?; \
 	$(PY) -m benchmarks.bench_gpu && exit $$tests
+
+# Wheels for a GPU lease machine (Python 3.12, torch of its own, no package index: docs/gpu.md), at the versions this
+# .venv runs, into .whl/ (git ignores it; the lease carries it): what the machine's image lacks or holds at another
+# version. DeepSpeed has no wheel on PyPI: built here, without its ops (they JIT-build where needed).
+LEASE_WHEELS := timm webdataset braceexpand pydantic pydantic_core annotated-types typing-inspection hjson
+pinned = $(1)==$$($(PY) -c "import importlib.metadata as m; print(m.version('$(1)'))")
+lease-wheels: install
+	rm -rf .whl && mkdir -p .whl
+	DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps -w .whl "$(call pinned,deepspeed)"
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+	  $(foreach p,$(LEASE_WHEELS),"$(call pinned,$(p))")
+	@ls .whl

@@ -13,6 +13,8 @@ Arms (`ARMS`, most valuable first):
   OUT/NAME.md; the raw trace in OUT/NAME.json.gz.
 - `data`: bench_gpu's `./launch.sh` run with the recipe's data workers: perf/data_wait_fraction and images/s, with
   the JPEGs decoded in the workers or on the GPU (`data.decode`).
+- `decode`: benchmarks/bench_decode.py on the GPU: nvJPEG's pixels against the CPU's and the workers', the device
+  side's decode rate and host CPU per batch (OUT/decode.md).
 - `tests`: `pytest tests/gpu`, if time is left.
 
 An arm gets at most its `cap_s` seconds and what is left of the budget; one that runs out is killed with its whole
@@ -27,6 +29,8 @@ import argparse
 import contextlib
 import json
 import os
+import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 from benchmarks.workers import REPO, worker_env
@@ -120,6 +125,7 @@ ARMS = (
         overrides=(*Z0, "data.decode=device"),
         cap_s=180,
     ),
+    Arm("decode", "nvJPEG decode and crop of batches of 256 against the workers'", "decode", cap_s=240),
     Arm("tests", "pytest tests/gpu", "tests", cap_s=400),
 )
 
@@ -186,6 +192,7 @@ class Lease:
         out.mkdir(parents=True, exist_ok=True)
         scratch.mkdir(parents=True, exist_ok=True)
         (out / "lease.log").write_text("")
+        self.environment = environment_lines(budget_s)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -253,6 +260,15 @@ class Lease:
             raise RuntimeError(measured["error"])
         return measured
 
+    def _decode(self, arm: Arm, timeout: float) -> dict:
+        out = self.out / "decode.md"
+        command = [sys.executable, "-m", "benchmarks.bench_decode", "--device", self.device, "--per-size", "128"]
+        command += ["--device-batch", str(arm.batch), "--out", str(out), "--data-dir", str(self.scratch / "decode")]
+        code = run_logged(command, self.out / "lease.log", timeout, dict(os.environ))
+        if code != 0:
+            raise RuntimeError(f"exit {code}: {last_line(self.out / 'lease.log')}")
+        return {"summary": out.name}
+
     def _tests(self, arm: Arm, timeout: float) -> dict:
         log = self.out / "lease.log"
         command = [sys.executable, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", "-rfE", "tests/gpu"]
@@ -271,7 +287,28 @@ class Lease:
         (self.out / "lease.json").write_text(
             json.dumps([{**asdict(o), "arm": asdict(o.arm)} for o in self.outcomes], indent=1)
         )
-        (self.out / "lease.md").write_text("\n".join(render_table(self.outcomes)) + "\n")
+        lines = ["# GPU lease (benchmarks/gpu_lease.py)", "", *self.environment, "", *render_table(self.outcomes)]
+        (self.out / "lease.md").write_text("\n".join(lines) + "\n")
+
+
+def environment_lines(budget_s: float) -> list[str]:
+    """The machine, the libraries and the date, as the table's head."""
+    import torch
+
+    gpu = "no CUDA device"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs"
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+    ) if shutil.which("nvidia-smi") else None  # fmt: skip
+    driver = smi.stdout.strip() if smi is not None and smi.returncode == 0 else "unknown"
+    libraries = ", ".join(f"{name} {version(name)}" for name in ("deepspeed", "timm", "webdataset", "pydantic"))
+    return [
+        f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; budget {budget_s:.0f} s",
+        f"- GPU: {gpu}; driver {driver}; CUDA {torch.version.cuda}; {os.cpu_count()} CPU cores",
+        f"- torch {torch.__version__}, {libraries}, python {platform.python_version()}",
+    ]
 
 
 def _fmt(value, spec: str) -> str:
@@ -288,7 +325,7 @@ def render_table(outcomes: list[Outcome]) -> list[str]:
     for o in outcomes:
         v, a = o.values, o.arm
         note = o.note or ("out of memory" if v.get("oom") else "")
-        if a.kind == "trace" and "summary" in v:
+        if a.kind in ("trace", "decode") and "summary" in v:
             note = f"[summary]({v['summary']})"
         elif a.kind == "data" and o.status == "done":
             note = f"perf/data_wait_fraction {_fmt(v.get('wait'), '.1%')}, perf/mfu {_fmt(v.get('mfu'), '.1%')}"

@@ -38,8 +38,10 @@ def test_step_and_trace_arms_run_on_the_cpu_and_leave_their_table(tmp_path, monk
         "lease.json", "lease.log", "lease.md", "trace.json.gz", "trace.md"
     ]  # fmt: skip
     table = (tmp_path / "out" / "lease.md").read_text().splitlines()
-    assert table[2].startswith("| step | quickstart eager, ZeRO-0 | 8 | done | ")
-    assert table[3].startswith("| trace | trace: quickstart | 8 | done | ") and "[summary](trace.md)" in table[3]
+    assert table[0] == "# GPU lease (benchmarks/gpu_lease.py)" and "- GPU: no CUDA device" in table[3]
+    rows = [line for line in table if line.startswith("| ") and not line.startswith("| arm |")]
+    assert rows[0].startswith("| step | quickstart eager, ZeRO-0 | 8 | done | ")
+    assert rows[1].startswith("| trace | trace: quickstart | 8 | done | ") and "[summary](trace.md)" in rows[1]
     saved = json.loads((tmp_path / "out" / "lease.json").read_text())
     assert [o["status"] for o in saved] == ["done", "done"] and saved[0]["arm"]["overrides"] == list(QUICK)
 
