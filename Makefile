@@ -173,8 +173,9 @@ bench-seg: quickstart-seg-data
 
 # One command for a GPU host (docs/gpu.md): tests/gpu (CUDA against the CPU, the engine path: bf16 inside the engine,
 # ZeRO 0-3, NCCL with 2+ GPUs, compile, resume, fine-tuning, activation checkpointing), then benchmarks/bench_gpu.py
-# (MAE ViT-B/16 and ViT-L/16 at 224 px, bf16 eager / compiled and fp32, largest batch: benchmarks/results/gpu.md;
-# runs even when a test failed, and the exit code says so). Without a GPU: says why and exits 0.
+# (MAE ViT-B/16 and ViT-L/16 at 224 px, bf16 eager / compiled at ZeRO-0 and fp32, largest batch:
+# benchmarks/results/gpu.md; runs even when a test failed, and the exit code says so). Without a GPU: says why and
+# exits 0. On a lease of minutes: benchmarks/gpu_lease.sh (docs/gpu.md).
 gpu-check: install
 	@reason="$$($(PY) -m benchmarks.bench_gpu --skip-reason)" || exit 1; \
 	if [ -n "$$reason" ]; then echo "make gpu-check: skipped, $$reason"; exit 0; fi; \

@@ -115,12 +115,12 @@ def test_modes_choose_the_configurations_and_a_bad_one_is_refused(monkeypatch, t
     the first one's batch; the data-wait run takes the fastest bf16 one. An unknown mode stops before any work."""
     asked = []
 
-    def fake_config(recipe, precision, compiled, shards, scratch, args):
+    def fake_config(recipe, mode, shards, scratch, args):
         def measure(batch):
-            asked.append((precision, compiled, batch))
+            asked.append((mode.precision, mode.compiled, batch))
             if batch > 128:
                 return None
-            step_ms = 100.0 if compiled else 200.0
+            step_ms = 100.0 if mode.compiled else 200.0
             return {"step_ms": [step_ms], "peak_allocated_gib": 1.0, "peak_reserved_gib": 2.0}
 
         return measure
@@ -128,14 +128,15 @@ def test_modes_choose_the_configurations_and_a_bad_one_is_refused(monkeypatch, t
     waits = []
     monkeypatch.setattr(bench_gpu, "measure_config", fake_config)
     monkeypatch.setattr(
-        bench_gpu, "data_wait", lambda *a: waits.append(a[1:3]) or {"wait": 0.01, "ips": 1, "mfu": None}
+        bench_gpu, "data_wait", lambda *a, **kw: waits.append((*a[1:3], kw)) or {"wait": 0.01, "ips": 1, "mfu": None}
     )
     args = bench_gpu.parse_args(["--models", "ViT-B/16", "--modes", "fp32,bf16-compiled", "--start-batch", "64"])
     rows, data = bench_gpu.bench_model("ViT-B/16", args, tmp_path, tmp_path)
     assert [row.split(" | ")[1] for row in rows] == ["bf16 compiled", "fp32 eager (control)"]
     assert asked[:3] == [("bf16", True, 64), ("bf16", True, 128), ("bf16", True, 256)]
     assert [a for a in asked if a[0] == "fp32"][0] == ("fp32", False, 128)  # starts from the compiled batch
-    assert waits == [(128, True)] and "| 128 |" in data[0]
+    assert waits == [(128, True, {"extra": ()})] and "| 128 |" in data[0]
     with pytest.raises(SystemExit):
         bench_gpu.parse_args(["--modes", "bf16,fp8"])
-    assert "--modes: unknown ['fp8']; choose from bf16, bf16-compiled, fp32" in capsys.readouterr().err
+    refusal = "--modes: unknown ['fp8']; choose from bf16, bf16-compiled, bf16-compiled-z0, fp32"
+    assert refusal in capsys.readouterr().err
