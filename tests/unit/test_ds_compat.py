@@ -468,3 +468,23 @@ def test_optional_patch_settings_are_refused_at_a_stage_they_do_not_apply_to():
     for setting, stage in (("share_zero3_masters", 1), ("share_zero12_masters", 3), ("skip_identity_grad_passes", 2)):
         with pytest.raises(ValueError, match=f"engine.{setting} needs engine.zero_stage"):
             load_config(None, [f"engine.zero_stage={stage}", f"engine.{setting}=true"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_rank_trains_the_same_without_overlapped_reduction(one_rank, tmp_path, monkeypatch, stage):
+    """One rank has nothing to reduce while backward runs, so `overlap_comm` (whose side stream DeepSpeed waits for
+    before each bucket) is off there; four steps end on the same bits as with it on, DeepSpeed's own setting."""
+    from core.engine import setup
+
+    engine, plain, initial = _trained(one_rank, tmp_path, stage)
+    assert not engine.optimizer.overlap_comm
+    config = setup.deepspeed_config
+
+    def overlapped(cfg, world_size: int) -> dict:
+        ds = config(cfg, world_size)
+        return {**ds, "zero_optimization": {**ds["zero_optimization"], "overlap_comm": True}}
+
+    monkeypatch.setattr(setup, "deepspeed_config", overlapped)
+    engine, with_overlap, _ = _trained(one_rank, tmp_path, stage)
+    assert engine.optimizer.overlap_comm
+    _assert_same_training(plain, with_overlap, initial)

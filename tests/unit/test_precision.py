@@ -142,3 +142,30 @@ def test_tf32_switch_applies_on_cuda_only(tf32_flags, enabled):
 def test_one_rank_keeps_its_gradients_in_fp32(one_rank, tmp_path):
     engine = _engine(one_rank, tmp_path, stage=2, reduce_dtype="bf16")
     assert set(engine.optimizer.ipg_buckets) == {torch.float32}
+
+
+def test_each_weight_is_cast_to_bf16_once_per_micro_step(one_rank, tmp_path):
+    """Autocast keeps the bf16 copy of each fp32 weight for the rest of the forward: over two micro-steps (forward and
+    backward each) every Linear weight of the objective is cast once per micro-step, never once per use (the
+    decoder reads its weights once per block, the encoder the same; a second cast would be a second pass over them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    engine = _engine(one_rank, tmp_path, stage=0)
+    weights = {p.data_ptr(): name for name, p in engine.module.named_parameters() if p.ndim == 2}
+    casts: dict[str, int] = {}
+
+    class CountCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            source = args[0] if args else None
+            to_bf16 = func is torch.ops.aten._to_copy.default and (kwargs or {}).get("dtype") == torch.bfloat16
+            if to_bf16 and isinstance(source, torch.Tensor) and source.data_ptr() in weights:
+                name = weights[source.data_ptr()]
+                casts[name] = casts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))  # (B, C, H, W)
+    with CountCasts():
+        for _ in range(2):
+            engine.backward(engine({"image": images})["loss"])
+    linears = {f"{name}.weight" for name, m in engine.module.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(casts) == linears and set(casts.values()) == {2}
