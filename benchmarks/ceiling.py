@@ -3,7 +3,7 @@
 A ViT step is mostly Linear layers under autocast: an fp32 weight cast to bf16, a bf16 matmul, an fp32-accumulated
 bias, and in backward the input and weight gradients. Timing that on the model's own shapes (by default the MAE
 encoder MLP's first layer, [B * (1 + L_vis), D] x [D, 4D]) gives what the hardware delivers for the step's kind of
-work, a little under a bare bf16 matmul (`core.engine.utilisation.measure_cpu_tflops`, reported beside it).
+work, a little under a bare bf16 matmul (`core.engine.cpu_peak.measure_cpu_tflops`, reported beside it).
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ TRIALS = 40  # forward + backward trials per ceiling process: about 3 s for ViT-
 
 def measure_ceiling(spec: dict, clock) -> dict:
     """bench_engine's ceiling runner (in engine_step's worker): the autocast-Linear trials on the encoder MLP shape of
-    `spec`'s model, batch and image size, then a bare bf16 matmul (core.engine.utilisation.measure_cpu_tflops) for
+    `spec`'s model, batch and image size, then a bare bf16 matmul (core.engine.cpu_peak.measure_cpu_tflops) for
     comparison."""
-    from core.engine.utilisation import measure_cpu_tflops
+    from core.engine.cpu_peak import measure_cpu_tflops
 
     shape = encoder_mlp_shape(spec["model"], spec["batch"], spec["size"])
     tflops = time_autocast_linear(shape, TRIALS, clock)

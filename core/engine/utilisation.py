@@ -5,20 +5,15 @@ The FLOPs are counted by torch's `FlopCounterMode` on a copy of the objective ru
 stream's first micro-batch, so the count follows the model, the objective (MAE's dropped tokens, a decoder, a head)
 and the attention kernel. The copy and the batch are fake tensors (shapes, no data, no memory), so counting computes
 nothing and allocates nothing, and training itself is untouched (the RNGs are restored afterwards). The peak per
-device is `engine.peak_tflops`, or the datasheet figure of a known GPU, or a matmul measured on the CPU: once per
-machine, thread count, precision and torch version, then read from a cache file (`cpu_peak_cache`).
+device is `engine.peak_tflops`, or the datasheet figure of a known GPU, or a matmul measured on the CPU and kept in a
+cache file, measured again when it proves low (core/engine/cpu_peak.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
-import os
 import re
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from core.compat.deepspeed import is_partitioned
 from core.engine.checkpoint import RNGState
-from core.engine.compiled import cache_root
+from core.engine.cpu_peak import cached_cpu_tflops, raise_cpu_peak
 from core.engine.precision import autocast_context, to_device
 from core.engine.setup import set_attention
 from core.engine.stage import StageRun
@@ -50,8 +45,6 @@ GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     (r"V100", 125.0),
 )
 
-_MATMUL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 @dataclass
 class Utilisation:
@@ -63,6 +56,9 @@ class Utilisation:
     """Samples of one optimizer step over all ranks (the global batch)."""
     peak_flops: float
     """Peak FLOP/s of one device."""
+    measured_precision: str | None = None
+    """The precision of a CPU peak that was measured (core/engine/cpu_peak.py), which `check_peak` may raise; None
+    for a datasheet or configured peak."""
 
     def mfu(self, images_per_sec: float) -> float:
         """Fraction of the devices' peak the step's model FLOPs reach at `images_per_sec` (all ranks together).
@@ -71,6 +67,16 @@ class Utilisation:
         one device's.
         """
         return self.flops_per_step * images_per_sec / self.samples_per_step / self.peak_flops
+
+    def check_peak(self, images_per_sec: float) -> str | None:
+        """Where the rate at `images_per_sec` exceeds a measured CPU peak (an MFU above 100%), measure the peak again
+        and raise it (`raise_cpu_peak`); returns the line saying so, else None."""
+        if self.measured_precision is None or self.mfu(images_per_sec) <= 1.0:
+            return None
+        achieved = self.flops_per_step * images_per_sec / self.samples_per_step
+        peak, line = raise_cpu_peak(self.measured_precision, achieved / 1e12, self.peak_flops / 1e12)
+        self.peak_flops = peak * 1e12
+        return line
 
 
 def _cpu_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
@@ -147,28 +153,6 @@ def gpu_peak_tflops(name: str) -> float | None:
     return None
 
 
-def measure_cpu_tflops(precision: str, size: int = 1024, seconds: float = 1.0) -> float:
-    """Best TFLOP/s of repeated `size`-square matmuls in `precision`'s dtype at the current thread count.
-
-    Trials of about a tenth of a second each run for `seconds` in all (at least three); the best one counts, as the
-    closest to what the hardware can do.
-    """
-    dtype = _MATMUL_DTYPES[precision]
-    gen = torch.Generator().manual_seed(0)  # its own generator: the run's RNG draws stay as without measuring
-    a, b = (torch.randn(size, size, generator=gen).to(dtype) for _ in range(2))
-    t0 = time.perf_counter()
-    a @ b  # warm-up, and a first timing to size the trials
-    reps = max(1, int(0.1 / max(time.perf_counter() - t0, 1e-6)))
-    best, start, trials = float("inf"), time.perf_counter(), 0
-    while trials < 3 or time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        best = min(best, (time.perf_counter() - t0) / reps)
-        trials += 1
-    return 2 * size**3 / best / 1e12
-
-
 def device_peak(configured: float | None, precision: str, device: torch.device) -> tuple[float | None, str]:
     """Peak TFLOP/s of one device and how it was chosen; (None, why) when it is unknown.
 
@@ -185,49 +169,6 @@ def device_peak(configured: float | None, precision: str, device: torch.device) 
             return None, f"no datasheet peak known for GPU {name!r}: set engine.peak_tflops to log perf/mfu"
         return tflops, f"{name} datasheet bf16 dense peak"
     return cached_cpu_tflops(precision)
-
-
-def cpu_peak_cache() -> Path:
-    """The file of measured CPU peaks: in $MIMPIPE_CACHE_DIR, else $XDG_CACHE_HOME/mimpipe, else ~/.cache/mimpipe."""
-    return cache_root() / "cpu_peak.json"
-
-
-def cached_cpu_tflops(precision: str) -> tuple[float, str]:
-    """`measure_cpu_tflops(precision)` at the current thread count, measured once per CPU model, thread count,
-    precision and torch version and kept in `cpu_peak_cache()` (a second of every launch otherwise); delete the file
-    to measure again. An unreadable cache is measured over; one that cannot be written is left as it is."""
-    threads = torch.get_num_threads()
-    key = f"{_cpu_model()} | {threads} threads | {precision} | torch {torch.__version__}"
-    what = f"{precision} 1024x1024 matmul measured at {threads} threads"
-    path = cpu_peak_cache()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if not isinstance(cached, dict):
-        cached = {}
-    tflops = cached.get(key)
-    if isinstance(tflops, (int, float)) and tflops > 0:
-        return float(tflops), f"{what}, cached in {path}"
-    tflops = measure_cpu_tflops(precision)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({**cached, key: tflops}, indent=1) + "\n")
-        os.replace(tmp, path)  # ranks measuring at once each write a whole file; the last one stays
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-    return tflops, what
-
-
-def _cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else f"{os.uname().machine} CPU"
 
 
 def start_meter(run: StageRun, module: nn.Module, batch: dict) -> Utilisation | None:
@@ -257,4 +198,5 @@ def start_meter(run: StageRun, module: nn.Module, batch: dict) -> Utilisation | 
         f"{peak:.4g} TFLOP/s per device ({source}) x {dist.world_size}"
     )
     samples = cfg.batch_size_per_device(dist.world_size) * cfg.engine.grad_accum_steps * dist.world_size
-    return Utilisation(per_step, samples, peak * 1e12)
+    measured = precision if dist.device.type == "cpu" and cfg.engine.peak_tflops is None else None
+    return Utilisation(per_step, samples, peak * 1e12, measured)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import random
 from types import SimpleNamespace
 
@@ -22,10 +21,7 @@ from core.engine.utilisation import (
     CPU_ATTENTION_FLOPS,
     Utilisation,
     count_step_flops,
-    cpu_peak_cache,
-    device_peak,
     gpu_peak_tflops,
-    measure_cpu_tflops,
     start_meter,
 )
 from core.recipe.config import Config
@@ -220,16 +216,6 @@ def test_counting_leaves_parameters_grads_hooks_and_rngs_alone():
         assert torch.equal(p, params[name]) and torch.equal(p.grad, grads[name]), name
 
 
-def test_cpu_peak_is_measured_and_a_configured_peak_is_used_as_given():
-    assert 0 < measure_cpu_tflops("bf16", size=256, seconds=0.1) < 1000
-    assert 0 < measure_cpu_tflops("fp32", size=256, seconds=0.1) < 1000
-    assert device_peak(2.5, "bf16", CPU) == (2.5, "engine.peak_tflops")
-    state = torch.get_rng_state()
-    peak, source = device_peak(None, "fp32", CPU)
-    assert peak > 0 and source.startswith("fp32 1024x1024 matmul measured")
-    assert torch.equal(torch.get_rng_state(), state)  # the run's masks and drop paths stay as without measuring
-
-
 @pytest.mark.parametrize(
     ("name", "tflops"),
     [
@@ -267,51 +253,8 @@ def test_start_meter_counts_accumulation(capsys):
 def test_start_meter_takes_the_peak_found_before_the_data_workers_started(monkeypatch):
     objective, batch = _step()
     cfg = Config.model_validate({"data": {"global_batch_size": 16}})
-    monkeypatch.setattr("core.engine.utilisation.measure_cpu_tflops", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr("core.engine.cpu_peak.measure_cpu_tflops", lambda *a, **k: pytest.fail("measured again"))
     logger = MetricsLogger(None, enabled=False)
     run = SimpleNamespace(cfg=cfg, dist=DistInfo(0, 0, 1, CPU), logger=logger, peak=(0.25, "measured at start-up"))
     meter = start_meter(run, objective, batch)
     assert meter.peak_flops == 0.25e12 and meter.samples_per_step == 16
-
-
-def test_the_cpu_peak_is_measured_once_per_machine_threads_and_precision(monkeypatch, tmp_path):
-    measured = []
-
-    def measure(precision, *args, **kwargs):
-        measured.append(precision)
-        return 0.25 if precision == "bf16" else 0.125
-
-    monkeypatch.setenv("MIMPIPE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr("core.engine.utilisation.measure_cpu_tflops", measure)
-    cache = tmp_path / "cpu_peak.json"
-    assert cpu_peak_cache() == cache
-    first = device_peak(None, "bf16", CPU)
-    assert first == (0.25, f"bf16 1024x1024 matmul measured at {torch.get_num_threads()} threads")
-    again = device_peak(None, "bf16", CPU)
-    assert again == (0.25, f"{first[1]}, cached in {cache}") and measured == ["bf16"]
-    assert device_peak(None, "fp32", CPU)[0] == 0.125 and measured == ["bf16", "fp32"]
-    keys = list(json.loads(cache.read_text()))
-    assert len(keys) == 2 and all(f"{torch.get_num_threads()} threads" in k and torch.__version__ in k for k in keys)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1 if threads > 1 else 2)
-    try:
-        device_peak(None, "bf16", CPU)  # another thread count is another peak
-    finally:
-        torch.set_num_threads(threads)
-    assert measured == ["bf16", "fp32", "bf16"] and len(json.loads(cache.read_text())) == 3
-
-    cache.write_text("{ torn")  # an unreadable cache is measured over and rewritten whole
-    assert device_peak(None, "bf16", CPU)[0] == 0.25 and len(measured) == 4
-    assert len(json.loads(cache.read_text())) == 1
-
-
-def test_a_cpu_peak_cache_that_cannot_be_written_still_gives_the_peak(monkeypatch, tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    monkeypatch.setenv("MIMPIPE_CACHE_DIR", str(blocker / "cache"))  # a file where the folder would be
-    monkeypatch.setattr("core.engine.utilisation.measure_cpu_tflops", lambda *a, **k: 0.5)
-    assert device_peak(None, "bf16", CPU)[0] == 0.5
-    assert blocker.read_text() == ""
-    monkeypatch.delenv("MIMPIPE_CACHE_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cpu_peak_cache() == tmp_path / "xdg" / "mimpipe" / "cpu_peak.json"
