@@ -33,6 +33,17 @@ class SegInfo(NamedTuple):
     """Whether the stored ids were shifted down by one, the source's 0 ("other") becoming `IGNORE_INDEX`."""
 
 
+OTHER_ID = 0
+"""In a reduce-zero-label set's own masks (ADE20K's), the id of "other": ignored in training, never predicted."""
+
+
+def dataset_ids(num_classes: int, reduce_zero_label: bool) -> list[int]:
+    """The id each training class (0..num_classes-1) has in the dataset's own masks: k + 1 for a reduce-zero-label set
+    (ADE20K's annotations, where 0 is "other"), k otherwise. What the evaluation tools and a downstream user read."""
+    shift = 1 if reduce_zero_label else 0
+    return [k + shift for k in range(num_classes)]
+
+
 def check_num_classes(num_classes: int | None, where: str) -> None:
     """Refuses a class count that 8-bit masks cannot hold.
 

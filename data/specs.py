@@ -161,8 +161,9 @@ def split_index(spec: str | list[str]) -> tuple[str, dict[str, Any]]:
 
 
 def segmentation_info(spec: str | list[str] | list[Any]) -> dict[str, Any]:
-    """A segmentation set's "num_classes", "ignore_index" and "classes" (names), from the `index.json` of `spec`'s
-    folder or beside its first shard (data/write.py writes them; a mixture: its first source's).
+    """A segmentation set's "num_classes", "ignore_index", "classes" (names) and "reduce_zero_label" (whether its
+    ids were shifted down from the dataset's own; an index without the field: False), from the `index.json` of
+    `spec`'s folder or beside its first shard (data/write.py writes them; a mixture: its first source's).
 
     Raises:
         ValueError: Naming the spec, when it has no index.json or its index describes no segmentation set.
@@ -176,7 +177,12 @@ def segmentation_info(spec: str | list[str] | list[Any]) -> dict[str, Any]:
         )
     check_num_classes(info["num_classes"], str(path))
     classes = list(index.get("classes") or []) or [f"class_{k}" for k in range(info["num_classes"])]
-    return {"num_classes": info["num_classes"], "ignore_index": info["ignore_index"], "classes": classes}
+    return {
+        "num_classes": info["num_classes"],
+        "ignore_index": info["ignore_index"],
+        "classes": classes,
+        "reduce_zero_label": bool(info.get("reduce_zero_label", False)),
+    }
 
 
 def train_sources(spec: str | list[str] | list[Any]) -> list[WeightedShards]:

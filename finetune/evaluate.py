@@ -78,10 +78,14 @@ def evaluate(
     return {"val/loss": loss / n, "val/top1": top1 / n, "val/top5": top5 / n, "val/samples": count}
 
 
-def lockstep(batches, dist: DistInfo) -> Iterator[tuple[dict, bool]]:
+def lockstep(batches, dist: DistInfo, every: int = 1) -> Iterator[tuple[dict, bool]]:
     """This rank's batches, each with True, in lock-step with every other rank's; once this rank has run out and
     others have not, copies of its last batch, each with False (a stand-in to forward and not to count); collective:
     every rank must iterate it to its end.
+
+    The ranks agree (one all-reduce and one host read) once per `every` batches: each reads up to `every` of its
+    batches ahead, and all forward as many as the rank that has most. A pass of one image per batch (segmentation's)
+    agrees every few dozen images instead of at every image, which would wait for the GPU each time.
 
     Raises:
         ValueError: On every rank, if some rank has no batch at all while others have some (see `evaluate`).
@@ -90,29 +94,33 @@ def lockstep(batches, dist: DistInfo) -> Iterator[tuple[dict, bool]]:
     iterator = iter(batches)
     stand_in = None
     while True:
-        batch = preempt.next_unless_stopping(iterator)
-        if not _anyone_has_data(batch is not None, stand_in is not None, dist):
+        ahead = []
+        while len(ahead) < every and (batch := preempt.next_unless_stopping(iterator)) is not None:
+            ahead.append(batch)
+        most = _most_batches(len(ahead), stand_in is not None, dist)
+        if most == 0:
             return
-        stand_in = batch if batch is not None else stand_in
-        yield stand_in, batch is not None
+        stand_in = ahead[-1] if ahead else stand_in
+        for i in range(most):
+            yield (ahead[i], True) if i < len(ahead) else (stand_in, False)
 
 
-def _anyone_has_data(has_batch: bool, has_stand_in: bool, dist: DistInfo) -> bool:
-    """The per-batch lock-step all-reduce: whether any rank still has a batch; raises if some rank has none at all,
-    or `preempt.StopAgreed` if some rank received SIGTERM."""
-    empty_rank = 0.0 if has_batch or has_stand_in else dist.rank + 1.0  # max-reduced: names one such rank
-    flags = torch.tensor([float(has_batch), empty_rank, float(preempt.stop_requested())], device=dist.device)
-    anyone, empty_rank, stop = all_reduce(flags, op="max").tolist()
+def _most_batches(num_batches: int, has_stand_in: bool, dist: DistInfo) -> int:
+    """The lock-step all-reduce: the most batches any rank read ahead; raises if some rank has none at all while
+    others have some, or `preempt.StopAgreed` if some rank received SIGTERM."""
+    empty_rank = 0.0 if num_batches or has_stand_in else dist.rank + 1.0  # max-reduced: names one such rank
+    flags = torch.tensor([float(num_batches), empty_rank, float(preempt.stop_requested())], device=dist.device)
+    most, empty_rank, stop = all_reduce(flags, op="max").tolist()
     if stop:
         raise preempt.StopAgreed("evaluation stopped early: a rank received SIGTERM")
-    if anyone and empty_rank:  # same values on every rank, so they all raise here instead of hanging in a forward
+    if most and empty_rank:  # same values on every rank, so they all raise here instead of hanging in a forward
         raise ValueError(
             f"evaluate: rank {int(empty_rank) - 1} got no samples from its eval shards while other ranks did. Every "
             "rank must forward a batch at each eval step (ZeRO-3 forwards are collective) and a rank that runs out "
             "forwards a copy of its last batch, so it needs at least one. make_eval_loader gives each rank >= 1 "
             "shard, so one of them holds no samples: rewrite the eval shards without empty ones or use fewer ranks."
         )
-    return bool(anyone)
+    return int(most)
 
 
 def _accumulate(logits: torch.Tensor, labels: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor | None) -> None:

@@ -25,6 +25,7 @@ from core.recipe.config import Config
 from core.report.metrics import segmentation_scores
 from data.pipeline import make_eval_loader
 from data.seg_transforms import SegEvalTransform, SegTrainTransform
+from data.segmentation import dataset_ids
 from data.specs import resolve_shards, segmentation_info
 from finetune.best import finish_with_export
 from finetune.evaluate import markdown_table
@@ -56,7 +57,10 @@ def main_segmentation(run: StageRun) -> int:
 
     seed_everything(cfg.seed)
     engine, optimizer = start_engine(run, build_objective(cfg, run, num_classes))
-    evaluation = SegEvaluation(run, engine, classes=info["classes"], num_classes=num_classes, crop=crop)
+    evaluation = SegEvaluation(
+        run, engine, classes=info["classes"], reduce_zero_label=info["reduce_zero_label"], num_classes=num_classes,
+        crop=crop,
+    )  # fmt: skip
 
     hooks = LoopHooks(
         evaluate=evaluation.evaluate if cfg.data.val else None, log_images=inspection_hook(run, engine.module)
@@ -89,12 +93,26 @@ class SegEvaluation:
         run: The stage.
         engine: The DeepSpeed engine around the `Segmentation` objective.
         classes: The class names (the index's).
+        reduce_zero_label: The set's ids were shifted down from the dataset's own (ADE20K's): the pictures, the
+            per-class table and the export's masks (`finetune predict`) name each class by its id in the dataset's
+            own masks (`data.segmentation.dataset_ids`).
         num_classes: K.
         crop: The model's input size.
     """
 
-    def __init__(self, run: StageRun, engine, *, classes: list[str], num_classes: int, crop: tuple[int, int]):
+    def __init__(
+        self,
+        run: StageRun,
+        engine,
+        *,
+        classes: list[str],
+        reduce_zero_label: bool,
+        num_classes: int,
+        crop: tuple[int, int],
+    ):
         self.run, self.engine, self.classes, self.num_classes, self.crop = run, engine, classes, num_classes, crop
+        self.reduce_zero_label = reduce_zero_label
+        self.ids = dataset_ids(num_classes, reduce_zero_label)
         o = run.cfg.objective
         self.stride = None
         if o.eval_mode == "slide":
@@ -108,13 +126,13 @@ class SegEvaluation:
             num_classes=self.num_classes, crop=self.crop, stride=self.stride, keep=PICTURE_ROWS,
         )  # fmt: skip
         if examples:  # rank 0's logger writes
-            run.logger.image("val/segmentation", step, segmentation_picture(examples, self.num_classes))
+            run.logger.image("val/segmentation", step, segmentation_picture(examples, self.classes, self.ids))
         run.logger.console(
             f"[mimpipe] step {step} eval: mIoU {metrics['val/miou']:.4f}  pixel acc {metrics['val/pixel_acc']:.4f}  "
             f"mean acc {metrics['val/mean_acc']:.4f}  ({int(metrics['val/images'])} images)"
         )
         if step == run.total_steps and run.cfg.eval.per_class:
-            table = per_class_iou_table(confusion, self.classes)
+            table = per_class_iou_table(confusion, self.classes, self.ids)
             run.logger.console(f"[mimpipe] per-class IoU at step {step}:\n{table}")
             run.logger.text("val/per_class_iou", step, table)
         if metrics["val/miou"] > run.state.best_miou:  # the same reduced value on every rank
@@ -140,7 +158,7 @@ class SegEvaluation:
             "config": cfg.model_dump(mode="json"),
             "segmentation": {
                 "head": o.head, "channels": self.engine.module.model.channels, "aux": o.aux_weight > 0,
-                "num_classes": self.num_classes,
+                "num_classes": self.num_classes, "reduce_zero_label": self.reduce_zero_label,
                 "crop": list(self.crop), "eval_mode": o.eval_mode, "stride": self.stride and list(self.stride),
                 "head_file": HEAD_FILE,
             },
@@ -166,11 +184,11 @@ class SegEvaluation:
         )
 
 
-def per_class_iou_table(confusion: torch.Tensor, classes: list[str]) -> str:
-    """class | pixels | IoU as a markdown table (pixels: how many the class covers; IoU "-" for a class that neither
-    occurs nor is predicted), padded for a monospaced font."""
+def per_class_iou_table(confusion: torch.Tensor, classes: list[str], ids: list[int]) -> str:
+    """class | id | pixels | IoU as a markdown table (id: the class's id in the dataset's own masks; pixels: how many
+    the class covers; IoU "-" for a class that neither occurs nor is predicted), padded for a monospaced font."""
     scores = segmentation_scores(confusion)
-    rows = [["class", "pixels", "IoU"]]
-    for name, pixels, iou in zip(classes, confusion.sum(dim=1).tolist(), scores["iou"], strict=True):
-        rows.append([name.replace("|", "\\|"), str(pixels), "-" if iou is None else f"{iou:.4f}"])
+    rows = [["class", "id", "pixels", "IoU"]]
+    for name, k, pixels, iou in zip(classes, ids, confusion.sum(dim=1).tolist(), scores["iou"], strict=True):
+        rows.append([name.replace("|", "\\|"), str(k), str(pixels), "-" if iou is None else f"{iou:.4f}"])
     return "\n".join([*markdown_table(rows), "", f"mIoU {scores['miou']:.4f}  pixel acc {scores['pixel_acc']:.4f}"])

@@ -23,8 +23,47 @@ def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]
     return torch.stack([hits[:, : min(k, num_classes)].any(dim=-1).sum() for k in ks])
 
 
+class Confusion:
+    """A (K, K) [true, predicted] confusion matrix of per-pixel predictions, accumulated on the device with no host
+    read per batch (segmentation evaluation adds one per image: a read would wait for the GPU every time).
+
+    A scored target id outside [0, K) is not counted; the largest scored id is kept on the device, and `check` reads
+    it once (at the end of a pass) and raises if it is out of range.
+
+    Args:
+        num_classes: K.
+        ignore_index: The target id that is left out.
+        device: Where the counts live.
+    """
+
+    def __init__(self, num_classes: int, ignore_index: int, device: torch.device | str = "cpu"):
+        self.num_classes, self.ignore_index = num_classes, ignore_index
+        self.counts = torch.zeros(num_classes * num_classes + 1, dtype=torch.int64, device=device)  # last: not counted
+        self.largest = torch.full((), -1, dtype=torch.int64, device=device)
+
+    def add(self, pred: torch.Tensor, target: torch.Tensor) -> None:
+        """Count one batch: `pred` and `target` (...) class ids, `ignore_index` where a pixel is not scored."""
+        k = self.num_classes
+        target, pred = target.long(), pred.long()
+        scored = target != self.ignore_index
+        counted = scored & (target >= 0) & (target < k)
+        cells = torch.where(counted, target * k + pred, k * k)  # (...) the cell of each pixel; k * k: not counted
+        self.counts += torch.bincount(cells.flatten(), minlength=k * k + 1)
+        self.largest = torch.maximum(self.largest, torch.where(scored, target, -1).amax())
+
+    def matrix(self) -> torch.Tensor:
+        """(K, K) int64 [true, predicted] pixel counts, on the device."""
+        return self.counts[:-1].view(self.num_classes, self.num_classes)
+
+    def check(self) -> None:
+        """One host read: raises ValueError if a scored target id was outside [0, K)."""
+        largest = int(self.largest)
+        if largest >= self.num_classes:
+            raise ValueError(f"a mask holds class id {largest} outside [0, {self.num_classes}) (model.num_classes)")
+
+
 def confusion_counts(pred: torch.Tensor, target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
-    """The confusion matrix of one batch of per-pixel predictions.
+    """The confusion matrix of one batch of per-pixel predictions (`Confusion` for one batch, checked at once).
 
     Args:
         pred: (...) predicted class ids.
@@ -38,12 +77,10 @@ def confusion_counts(pred: torch.Tensor, target: torch.Tensor, num_classes: int,
     Raises:
         ValueError: If a scored target id is outside [0, K).
     """
-    scored = target != ignore_index
-    true, predicted = target[scored].long(), pred[scored].long()
-    if true.numel() and not (int(true.min()) >= 0 and int(true.max()) < num_classes):
-        raise ValueError(f"a mask holds class id {int(true.max())} outside [0, {num_classes}) (model.num_classes)")
-    counts = torch.bincount(true * num_classes + predicted, minlength=num_classes * num_classes)
-    return counts.view(num_classes, num_classes)
+    confusion = Confusion(num_classes, ignore_index, pred.device)
+    confusion.add(pred, target)
+    confusion.check()
+    return confusion.matrix()
 
 
 def segmentation_scores(confusion: torch.Tensor) -> dict[str, float | list[float | None]]:

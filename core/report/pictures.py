@@ -319,6 +319,42 @@ def class_colours(num_classes: int) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([rgb, np.full((1, 3), 255, dtype=np.uint8)]))
 
 
+def id_colours(ids: Sequence[int]) -> torch.Tensor:
+    """(len(ids) + 1, 3) uint8: row k the `class_colours` colour of `ids[k]` (training class k's id in the dataset's
+    own masks, `data.segmentation.dataset_ids`), so that a class has the colour of the id it is written as; the last
+    row white, for ignored pixels."""
+    voc = class_colours(max(ids, default=0) + 1)
+    return torch.cat([voc[list(ids)], voc[-1:]])
+
+
+def legend(entries: Sequence[tuple[str, Sequence[int]]], width: int) -> torch.Tensor:
+    """Colour swatches with their labels, in rows wrapped to `width` pixels: (3, H, width) float in [0, 1].
+
+    Args:
+        entries: (label, RGB colour) pairs, in order.
+        width: The strip's width (the picture's above it).
+    """
+    side, gap = line_height(), 3 * _MARGIN
+    rows, row, used = [], [], _MARGIN
+    for label, colour in entries:
+        need = side + _MARGIN + text_width(label) + gap
+        if row and used + need > width:
+            rows.append(row)
+            row, used = [], _MARGIN
+        row.append((label, tuple(int(c) for c in colour)))
+        used += need
+    rows += [row] if row else []
+    strip = Image.new("RGB", (width, _MARGIN + len(rows) * (side + _MARGIN)), _WHITE)
+    draw = ImageDraw.Draw(strip)
+    for i, entries_of_row in enumerate(rows):
+        top, left = _MARGIN + i * (side + _MARGIN), _MARGIN
+        for label, colour in entries_of_row:
+            draw.rectangle((left, top, left + side - 1, top + side - 1), fill=colour, outline=_BLACK)
+            draw.text((left + side + _MARGIN, top), label, fill=_BLACK, font=font())
+            left += side + _MARGIN + text_width(label) + gap
+    return from_pil(strip)
+
+
 def colour_mask(ids: torch.Tensor, colours: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """(H, W) class ids -> (3, H, W) uint8 by `class_colours`; `ignore_index` (and any id out of range) is white."""
     ids = ids.long().cpu()

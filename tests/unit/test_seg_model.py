@@ -175,7 +175,7 @@ def test_evaluation_scores_every_pixel_at_the_masks_size_and_keeps_examples_for_
     assert result.confusion.tolist() == [[32, 0, 0], [0, 31, 0], [112, 143, 0]]
     assert result.metrics["val/miou"] == pytest.approx((32 / 144 + 31 / 174 + 0 / 255) / 3)  # TP / union
     assert len(result.examples) == 1 and result.examples[0][0].dtype == torch.uint8
-    picture = segmentation_picture(result.examples, 3)
+    picture = segmentation_picture(result.examples, ["a", "b", "c"], [0, 1, 2])
     assert picture.shape[0] == 3 and picture.min() >= 0.0 and picture.max() <= 1.0
 
 
