@@ -5,7 +5,6 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SHARDS ?= shards/quickstart
 SCENES ?= shards/scenes
-FMNIST ?= /usr/share/datasets/fashion-mnist
 # torch/torchvision are pinned here (not in pyproject) to the build this machine serves from its own disk.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
@@ -27,23 +26,10 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 
 install: $(VENV)/.installed
 
-# Fashion-MNIST shards (train 60k, test 10k); synthetic images with a warning when the dataset is not installed.
+# Fashion-MNIST shards (train 60k, test 10k): Debian's package, MIMPIPE_FASHION_MNIST, the download cache, else a
+# download (torchvision's mirrors); without any, synthetic images, said loudly (data/quickstart.py).
 quickstart-data: install
-	@if [ -f $(FMNIST)/train-images-idx3-ubyte.gz ]; then \
-	  { grep -qs fashion-mnist $(SHARDS)/train/index.json || \
-	    $(PY) -m data write --source fashion-mnist --split train --out $(SHARDS)/train --shard-size 5000; } & \
-	  train=$$!; \
-	  grep -qs fashion-mnist $(SHARDS)/test/index.json || \
-	    $(PY) -m data write --source fashion-mnist --split test --out $(SHARDS)/test --shard-size 2500; tested=$$?; \
-	  wait $$train && [ $$tested -eq 0 ]; \
-	else \
-	  echo "WARNING: Fashion-MNIST not found in $(FMNIST); install it with: sudo apt-get install -y dataset-fashion-mnist"; \
-	  echo "WARNING: running the quickstart on synthetic images instead (accuracy numbers will not mean much)"; \
-	  grep -qs synthetic $(SHARDS)/train/index.json || $(PY) -m data write --source synthetic --split train \
-	    --num-samples 20000 --image-size 28 --num-classes 10 --out $(SHARDS)/train --shard-size 2500; \
-	  grep -qs synthetic $(SHARDS)/test/index.json || $(PY) -m data write --source synthetic --split test \
-	    --num-samples 4000 --image-size 28 --num-classes 10 --seed 1 --out $(SHARDS)/test --shard-size 1000; \
-	fi
+	$(PY) -m data quickstart --out $(SHARDS)
 
 # MAE pretraining on CPU, export, then fine-tuning at 28 px from the export (zero-initialised head).
 quickstart: quickstart-data
@@ -55,8 +41,6 @@ quickstart: quickstart-data
 # Segmentation: Fashion-MNIST garments in scenes of 64-96 px (4,000 train, 500 val), UperNet on the quickstart's MAE
 # encoder (pretrained first if runs/quickstart/export is not there).
 quickstart-seg-data: install
-	@test -f $(FMNIST)/train-images-idx3-ubyte.gz || \
-	  { echo "Fashion-MNIST not found in $(FMNIST): sudo apt-get install -y dataset-fashion-mnist"; exit 1; }
 	grep -qs fashion-mnist-scenes $(SCENES)/train/index.json || $(PY) -m data write --source fashion-mnist-scenes \
 	  --split train --num-samples 4000 --out $(SCENES)/train --shard-size 500
 	grep -qs fashion-mnist-scenes $(SCENES)/val/index.json || $(PY) -m data write --source fashion-mnist-scenes \

@@ -11,6 +11,7 @@ python -m data write --source segfolder --path /data/ADEChallengeData2016 --spli
 python -m data write --source fashion-mnist-scenes --split train --num-samples 4000 --out /data/scenes/train
 Segmentation sets hold a mask beside each image (data/segmentation.py); ADE20K's 0 ("other") becomes the ignored id
 and the other ids move down by one unless --no-reduce-zero-label.
+python -m data quickstart --out shards/quickstart   (Fashion-MNIST found or downloaded; else synthetic, loudly)
 python -m data inspect /data/fm/test          (a directory, a brace pattern or a glob)
 python -m data index '/data/laion/{00000..00127}.tar' [--label-field label]   (shards other tools wrote)
 """
@@ -22,6 +23,7 @@ import os
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import webdataset as wds
@@ -31,6 +33,7 @@ from data import seg_sources, sources
 from data.decode import CORRUPT_IMAGE_ERRORS, LabelError, decode_rgb, image_field, read_label
 from data.index import index_shards, local_shards, shard_samples
 from data.progress import Progress
+from data.quickstart import write_quickstart
 from data.segmentation import IGNORE_INDEX, SEG_FIELD, SegInfo, decode_mask
 from data.specs import INDEX_FILE, dataset_size, read_index
 from data.write import DEFAULT_JPEG_QUALITY, write_shards
@@ -46,6 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "write":
         _write(args)
+    elif args.command == "quickstart":
+        source = write_quickstart(Path(args.out), args.path, main)
+        print(f"quickstart shards in {args.out}: {source}")
     elif args.command == "index":
         _index(args)
     else:
@@ -88,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
         "--reduce-zero-label", action=argparse.BooleanOptionalAction, default=True,
         help="segfolder: id 0 is 'other', ignored; ids 1.. become 0.. (ADE20K's convention; default on)",
     )  # fmt: skip
+    quickstart = commands.add_parser(
+        "quickstart", help="the quickstart's Fashion-MNIST shards (found or downloaded; else synthetic, loudly)"
+    )
+    quickstart.add_argument("--out", required=True, help="folder of the train/ and test/ splits")
+    quickstart.add_argument("--path", help="a folder of Fashion-MNIST's four IDX files (default: look, then download)")
     index = commands.add_parser("index", help="write the index.json of shards another tool wrote")
     index.add_argument("spec", nargs="+", help="shard folder (every *.tar), brace pattern, glob, or several paths")
     index.add_argument("--label-field", help="read labels from this integer field of each .json (default: .cls)")

@@ -17,8 +17,9 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS
+from data.fashion_mnist import ENV as FASHION_MNIST_ENV
+from data.fashion_mnist import find as locate_fashion_mnist
 
-FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = [
     "T-shirt/top",
     "Trouser",
@@ -118,19 +119,30 @@ def read_idx(path: str, magic: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8, offset=offset).reshape(shape)
 
 
-def fashion_mnist(path: str | None, split: str) -> Source:
-    """Fashion-MNIST from its four IDX files (Debian's `dataset-fashion-mnist` layout).
+def fashion_mnist(path: str | None, split: str, *, download: bool = True) -> Source:
+    """Fashion-MNIST from its four IDX files, found where `data.fashion_mnist.find` looks (`path`, the environment,
+    Debian's package, the download cache) or, with `download`, downloaded into the cache.
 
     Args:
-        path: Directory holding `{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz`; None for the default.
+        path: Directory holding `{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz`; None to look for one.
         split: `train` (60,000 images) or `test` (10,000 images, the `t10k-*` files).
+        download: Download the files when no folder holds them.
 
     Returns:
         The ten classes and 28x28 grayscale PIL images keyed `{split}_{index:08d}`.
+
+    Raises:
+        ValueError: For another split, or when no source holds the files (naming each one and why).
     """
     if split not in ("train", "test"):
         raise ValueError(f"fashion-mnist split must be 'train' or 'test', got {split!r}")
-    root = path or FASHION_MNIST_DIR
+    found = locate_fashion_mnist(path, download=download)
+    if found.path is None:
+        raise ValueError(
+            f"Fashion-MNIST not found: {'; '.join(found.tried)}. Install it (`apt-get install -y "
+            f"dataset-fashion-mnist`), give its folder (--path or ${FASHION_MNIST_ENV}), or allow the download"
+        )
+    root = found.path
     stem = "train" if split == "train" else "t10k"
     images = read_idx(os.path.join(root, f"{stem}-images-idx3-ubyte.gz"), _IDX_IMAGES_MAGIC)  # (N, 28, 28)
     labels = read_idx(os.path.join(root, f"{stem}-labels-idx1-ubyte.gz"), _IDX_LABELS_MAGIC)  # (N,)

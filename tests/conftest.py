@@ -37,6 +37,11 @@ os.environ.update(
 )
 
 
+# Nor does a dataset lookup download anything (data/fashion_mnist.py): a machine without Fashion-MNIST skips the tests
+# that read it (tests/helpers/datasets.py), and the download is tested against a local server.
+os.environ["MIMPIPE_OFFLINE"] = "1"
+
+
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory) -> dict[str, Path]:
     """Synthetic 16 px, 4 classes: train 512 samples in 8 shards, val 203 samples in 3 uneven shards."""

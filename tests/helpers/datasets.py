@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from data.sources import FASHION_MNIST_DIR
+from data.fashion_mnist import find
+
+FASHION_MNIST = find().path
+"""The folder of Fashion-MNIST's four IDX files where this machine has one (never downloaded: data/fashion_mnist.py
+looks in $MIMPIPE_FASHION_MNIST, Debian's package and the download cache); None without."""
 
 needs_fashion_mnist = pytest.mark.skipif(
-    not os.path.isfile(os.path.join(FASHION_MNIST_DIR, "t10k-images-idx3-ubyte.gz")),
-    reason="needs `apt-get install -y dataset-fashion-mnist`",
+    FASHION_MNIST is None,
+    reason="needs Fashion-MNIST: `apt-get install -y dataset-fashion-mnist`, or `make quickstart-data` once (downloads)",
 )

@@ -13,9 +13,9 @@ from PIL import Image
 from data import sources
 from data.__main__ import inspect_shards, main
 from data.write import write_shards
-from tests.helpers.datasets import needs_fashion_mnist
+from tests.helpers.datasets import FASHION_MNIST, needs_fashion_mnist
 
-FM_DIR = sources.FASHION_MNIST_DIR
+FM_DIR = FASHION_MNIST
 
 
 def _read_tar(path: str) -> list[dict]:
@@ -117,7 +117,7 @@ def test_fashion_mnist_cli_writes_real_images(tmp_path, capsys):
 
 
 def test_fashion_mnist_missing_or_bad_files_name_the_path(tmp_path):
-    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte.gz.*apt-get install -y dataset-fashion-mnist"):
+    with pytest.raises(ValueError, match=r"--path \(.*\): no train-images-idx3-ubyte.gz.*apt-get install -y dataset-fashion-mnist"):
         sources.fashion_mnist(str(tmp_path), "test")
     bad = tmp_path / "labels.gz"
     with gzip.open(bad, "wb") as f:
