@@ -12,5 +12,5 @@ looks in $MIMPIPE_FASHION_MNIST, Debian's package and the download cache); None 
 
 needs_fashion_mnist = pytest.mark.skipif(
     FASHION_MNIST is None,
-    reason="needs Fashion-MNIST: `apt-get install -y dataset-fashion-mnist`, or `make quickstart-data` once (downloads)",
+    reason="needs Fashion-MNIST: `apt-get install -y dataset-fashion-mnist`, or `make quickstart-data` (downloads)",
 )

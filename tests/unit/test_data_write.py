@@ -117,7 +117,8 @@ def test_fashion_mnist_cli_writes_real_images(tmp_path, capsys):
 
 
 def test_fashion_mnist_missing_or_bad_files_name_the_path(tmp_path):
-    with pytest.raises(ValueError, match=r"--path \(.*\): no train-images-idx3-ubyte.gz.*apt-get install -y dataset-fashion-mnist"):
+    missing = r"--path \(.*\): no train-images-idx3-ubyte.gz.*apt-get install -y dataset-fashion-mnist"
+    with pytest.raises(ValueError, match=missing):
         sources.fashion_mnist(str(tmp_path), "test")
     bad = tmp_path / "labels.gz"
     with gzip.open(bad, "wb") as f:
