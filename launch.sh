@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch a recipe:  ./launch.sh RECIPE [section.key=value ...] [--dry-run] [--allow-config-change]
+# Launch a recipe:  ./launch.sh RECIPE [section.key=value ...] [--dry-run] [--allow-config-change] [--take-over-run-dir]
 # A recipe key's type, default and meaning:  ./launch.sh --explain KEY   (all of them: docs/recipe-reference.md)
 #
 # Run one launch.sh per node: it checks the recipe, the batch split and the files the recipe names (a problem is one
@@ -9,7 +9,10 @@
 # --dry-run stops after printing the resolved config, the plan and the command.
 # A run_dir is one run (docs/run_dir.md): relaunching into one whose latest checkpoint another config wrote is refused
 # (run_dir=NEW_DIR starts a new run; --allow-config-change continues that one with this config), and relaunching a
-# finished run with the same schedule does nothing (exit 0).
+# finished run with the same schedule does nothing (exit 0). One launch at a time trains in a run_dir: while another
+# holds its lease (RUN_DIR/lease.json, renewed by a heartbeat) a launch is refused; a lease whose heartbeat stopped
+# for checkpoint.lease_timeout_s, or whose process is gone on this host, is taken over; --take-over-run-dir takes it
+# whatever it says.
 # Environment (all optional):
 #   NPROC_PER_NODE  processes per node (default: the GPUs here, else 1; HOSTFILE: its slots); the GPUs here are
 #                   nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES and by the SLURM step's GPUs on this node
@@ -23,8 +26,10 @@
 #   PYTHON          interpreter (default: .venv/bin/python beside this script, else python3)
 #   OMP_NUM_THREADS, OMP_WAIT_POLICY   default: this node's cores / processes, and PASSIVE (idle threads sleep)
 #   MIMPIPE_DEBUG   1: a failing rank prints its traceback on the console too (always in RUN_DIR/logs/rank{N}.log)
-#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun lets its ranks save a checkpoint after passing on a SIGTERM,
-#                   before it SIGKILLs them (default here 120; torchrun's own 30); see docs/processes.md
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun lets its ranks save a checkpoint after passing on a SIGTERM
+#                   or the first Ctrl-C, before it SIGKILLs them (default here 120; torchrun's own 30); see
+#                   docs/processes.md
+# Ctrl-C stops the run after the current step with a checkpoint of it (exit code 130); Ctrl-C again stops it at once.
 # In a SLURM allocation (SLURM_JOB_ID set, NNODES and HOSTFILE not): `srun --ntasks-per-node=1 ./launch.sh RECIPE`.
 #   NNODES (the step's nodes), NODE_RANK, MASTER_ADDR (first host of the step) and MASTER_PORT (20000 + job id %
 #   10000) come from SLURM unless set.
@@ -52,8 +57,8 @@ overrides=()
 for arg in "$@"; do
     if [[ "$arg" == "--dry-run" ]]; then dry_run=1; else overrides+=("$arg"); fi
 done
-# --allow-config-change stays among the arguments: the pre-flight and every rank get it (through torchrun, or the
-# DeepSpeed launcher over ssh, whatever the environment they pass on).
+# --allow-config-change and --take-over-run-dir stay among the arguments: the pre-flight and every rank get them
+# (through torchrun, or the DeepSpeed launcher over ssh, whatever the environment they pass on).
 
 free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
@@ -148,8 +153,8 @@ if [[ "${MIMPIPE_MALLOC:-tcmalloc}" == "tcmalloc" && "${LD_PRELOAD:-}" != *tcmal
     fi
 fi
 
-# torchrun SIGKILLs its ranks this long after passing a SIGTERM on (preemption): 30 s by default, less than a large
-# checkpoint may take to save. It waits only as long as the ranks take; SLURM's own grace still bounds it.
+# torchrun SIGKILLs its ranks this long after passing a SIGTERM (preemption) or the first Ctrl-C on: 30 s by default,
+# less than a large checkpoint may take to save. It waits only as long as the ranks take; SLURM's own grace still bounds it.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 # core.launch.torchrun is torchrun with its failure report cut to one line (the ranks print their own errors).
 if [[ -n "${HOSTFILE:-}" ]]; then
@@ -183,4 +188,6 @@ if [[ $dry_run -eq 1 ]]; then
     printf '%q ' "${cmd[@]}"; echo
     exit 0
 fi
+# exec: no shell is left to die of a Ctrl-C, or to wait, between the terminal and what takes it (torchrun's agent, or
+# the one rank; docs/processes.md#ctrl-c), and launch.sh's exit code is theirs (130 after a Ctrl-C).
 exec "${cmd[@]}"

@@ -160,6 +160,20 @@ def split_index(spec: str | list[str]) -> tuple[str, dict[str, Any]]:
     return path, read_index(directory) if os.path.isfile(path) else {}
 
 
+def is_synthetic(spec: str | list[str] | list[Any]) -> bool:
+    """Whether the shards of `spec` (any source of a mixture) hold synthetic images (`python -m data write --source
+    synthetic`, the quickstart's fallback), as their index.json says; False where no index says so."""
+    entries = spec if isinstance(spec, list | tuple) else []  # a mixture: TrainSource objects, or their dumped mappings
+    sources = [
+        e["shards"] if isinstance(e, dict) else e.shards for e in entries if isinstance(e, dict) or is_mixture([e])
+    ]
+    specs = sources or [spec]
+    try:
+        return any(split_index(one)[1].get("source") == "synthetic" for one in specs)
+    except (ValueError, OSError):  # remote or unresolvable shards: their own checks say why
+        return False
+
+
 def segmentation_info(spec: str | list[str] | list[Any]) -> dict[str, Any]:
     """A segmentation set's "num_classes", "ignore_index", "classes" (names) and "reduce_zero_label" (whether its
     ids were shifted down from the dataset's own; an index without the field: False), from the `index.json` of

@@ -13,11 +13,12 @@ calls right after importing torch, timm and the data modules: core/entry/stage.p
 importing them again (~3 s of CPU per rank, and their memory shared with the rank). Started later, or from a process
 that already runs threads, it is multiprocessing's own: a fresh interpreter (fork + exec) that imports `PRELOAD`.
 
-SIGTERM: torchrun signals a rank's whole process group and SLURM every process of the step, server and workers
-included. A worker that died of it would fail its rank before the preemption checkpoint (core/engine/preempt.py), so
-workers start with SIGTERM blocked (the server is started with it blocked and its children inherit the mask), and a
-thread in each worker exits it on its own rank's SIGTERM only (DataLoader's `terminate()` of a worker that does not
-stop when told).
+SIGTERM and SIGINT: torchrun signals a rank's whole process group, SLURM every process of the step and a terminal's
+Ctrl-C its whole foreground process group, server and workers included. A worker that died of it would fail its rank
+before the checkpoint the rank saves on either signal (core/engine/preempt.py), so workers start with both blocked
+(the server is started with them blocked and its children inherit the mask). SIGINT stays ignored: the rank decides
+(a second Ctrl-C ends the rank, and its workers follow it). A thread in each worker exits it on its own rank's SIGTERM
+only (DataLoader's `terminate()` of a worker that does not stop when told).
 
 Death: a thread in each worker waits on its rank's pidfd and exits the worker the moment the rank is gone, however
 it went (kill -9 included); the server exits once the rank and all workers have. A worker that exits this way (or on
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import select
@@ -64,7 +66,7 @@ def start_fork_server(*, forked: bool = False) -> None:
     context()
     if START_METHOD != "forkserver":
         return
-    with sigterm_blocked():  # see data/workers.py _WorkerLoader.__iter__
+    with stop_signals_blocked():  # see data/workers.py _WorkerLoader.__iter__
         if forked and threading.active_count() == 1:
             with _server_forked():
                 multiprocessing.forkserver.ensure_running()
@@ -130,18 +132,44 @@ def context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+"""Blocked in the fork server and the workers from their start: they are their rank's to act on."""
+
+
 @contextlib.contextmanager
-def sigterm_blocked():
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+def stop_signals_blocked():
+    """`STOP_SIGNALS` blocked in this thread inside: a process started meanwhile inherits the mask; a signal for this
+    process waits, then reaches its handler. The resource tracker is started first: its start unblocks both in the
+    calling thread (multiprocessing's own protection of its start), and a fork server started after that inside would
+    run without the mask."""
+    start_resource_tracker()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker now (if not running), without its warning about the semaphores it
+    cleans up: a rank stopped at once (a second Ctrl-C, core/engine/preempt.py) leaves its loaders' to it on purpose.
+    The tracker ignores SIGINT and SIGTERM itself and ends when the last process holding its pipe has."""
+    quiet = "ignore:resource_tracker:UserWarning"  # "resource_tracker: There appear to be N leaked semaphore objects"
+    previous = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = f"{previous},{quiet}" if previous else quiet  # read by the tracker's interpreter
+    try:
+        multiprocessing.resource_tracker.ensure_running()
+    finally:
+        if previous is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = previous
+
+
 def init_worker(rank_pid: int, worker_id: int) -> None:
     """DataLoader's `worker_init_fn`: in each worker, before its first sample."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # already blocked from the start (see __iter__)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # already blocked from the start (see __iter__)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # for good, and a Ctrl-C pending since the start is dropped
     threading.Thread(target=_exit_on_sigterm_from, args=(rank_pid,), name="mimpipe-sigterm", daemon=True).start()
     threading.Thread(target=_exit_with, args=(rank_pid,), name="mimpipe-rank-watch", daemon=True).start()
 

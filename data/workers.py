@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from torch.utils.data import DataLoader
 
 from data import worker_process
-from data.worker_process import init_worker, sigterm_blocked
+from data.worker_process import init_worker, stop_signals_blocked
 
 _TIMED_OUT = "DataLoader timed out after"  # the start of torch's own message
 
@@ -24,7 +24,7 @@ class DataWorkerTimeout(RuntimeError):
 
 
 def worker_loader(dataset, *, num_workers: int, timeout_s: float, rank: int, **kwargs) -> DataLoader:
-    """A DataLoader whose workers (if any) start from the fork server, die with this process, ignore foreign
+    """A DataLoader whose workers (if any) start from the fork server, die with this process, ignore SIGINT and foreign
     SIGTERMs, and whose iterators raise `DataWorkerTimeout` after `timeout_s` without a batch.
 
     Args:
@@ -49,7 +49,7 @@ def worker_loader(dataset, *, num_workers: int, timeout_s: float, rank: int, **k
 
 
 class _WorkerLoader(DataLoader):
-    """DataLoader that starts its workers with SIGTERM blocked and names the worker a timeout waited for."""
+    """DataLoader that starts its workers with SIGTERM and SIGINT blocked and names the worker a timeout waited for."""
 
     def __init__(self, dataset, *, rank: int, **kwargs):
         super().__init__(dataset, **kwargs)
@@ -57,9 +57,9 @@ class _WorkerLoader(DataLoader):
 
     def __iter__(self) -> Iterator:
         # Processes inherit the mask of the thread that starts them: the fork server (started at the first iter())
-        # and the resource tracker, hence every worker, begin with SIGTERM blocked. A SIGTERM meanwhile waits, then
-        # reaches the rank's handler.
-        with sigterm_blocked():
+        # and the resource tracker, hence every worker, begin with SIGTERM and SIGINT blocked. A signal meanwhile
+        # waits, then reaches the rank's handler.
+        with stop_signals_blocked():
             batches = super().__iter__()
         return _named_timeouts(batches, self.rank, self.timeout)
 

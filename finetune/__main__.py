@@ -5,6 +5,7 @@ probe, or DeiT distillation), exactly-once evaluation, export of the best checkp
     python -m finetune convert SRC DST [--arch TIMM_NAME] [--trust-checkpoint]
     python -m finetune predict EXPORT --images DIR_OR_SHARDS --out DIR       (segmentation masks; finetune/predict.py)
     python -m finetune inspect EXPORT --images DIR_OR_SHARDS --out DIR       (the ViT paper's pictures; inspect_vit.py)
+    python -m finetune evaluate CHECKPOINT ... --train SHARDS --val SHARDS --out DIR   (kNN, probes; report_card.py)
 
 The stage is finetune/stage.py, run by core/entry/stage.py (which first starts the data workers' fork server).
 """

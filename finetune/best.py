@@ -74,7 +74,10 @@ class BestExport:
                 "pooling_hint": cfg.model.global_pool,
             }
             out = run.run_dir / "export"
-            export_state_dict(cfg, fold_probe_head(state_dict), out, num_classes=self.num_classes, manifest=manifest)
+            export_state_dict(
+                cfg, fold_probe_head(state_dict), out, num_classes=self.num_classes, manifest=manifest,
+                run_dir=run.run_dir,
+            )  # fmt: skip
 
     def _loader(self):
         cfg, dist = self.run.cfg, self.run.dist

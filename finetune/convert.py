@@ -1,6 +1,7 @@
 """Convert any checkpoint the hand-off accepts into our export folder (timm `local-dir` layout + manifest).
 
     python -m finetune convert SRC DST [--num-heads N] [--arch TIMM_NAME] [--trust-checkpoint]
+                                       [--push-to-hub ORG/NAME [--private]]
 
 The structure (width, depth, MLP ratio, patch size, image size from the position grid, classes from the head, ...)
 is read from the weights; the number of attention heads cannot be. For timm's standard widths it is timm's
@@ -34,6 +35,8 @@ from torch import nn
 
 from core.export.folder import export_model
 from core.export.handoff import LoadReport, load_encoder
+from core.export.hub import is_hub_spec
+from core.export.push import check_push, push_export
 from core.export.read import Checkpoint, has_module, read_checkpoint
 from core.models.build import model_args
 from core.models.t2t_vit import VARIANTS as T2T_VARIANTS
@@ -59,7 +62,9 @@ PLAIN_DEFAULT = "vit_base_patch16_224"  # the architecture named for a non-stand
 def main(argv: list[str] | None = None) -> int:
     """Command line: `argv` is what follows `python -m finetune convert`. Returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m finetune convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("src", type=Path, help="checkpoint: export folder, .pth/.bin/.safetensors, MAE/DeiT pickle")
+    parser.add_argument(
+        "src", type=Path, help="checkpoint: export folder, .pth/.bin/.safetensors, MAE/DeiT pickle, hf-hub:ORG/NAME"
+    )
     parser.add_argument("dst", type=Path, help="export folder to write (replaced if it holds an earlier export)")
     parser.add_argument(
         "--num-heads", type=int, help="attention heads (needed for widths other than 192, 384, 768, 1024, 1280)"
@@ -68,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--trust-checkpoint", action="store_true", help="allow unpickling non-tensor objects (can run code)"
     )
+    parser.add_argument("--push-to-hub", metavar="ORG/NAME", help="upload the export to this Hugging Face Hub repo")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     args = parser.parse_args(argv)
+    if args.private and not args.push_to_hub:
+        parser.error("--private needs --push-to-hub ORG/NAME")
     try:
+        target = check_push(args.push_to_hub) if args.push_to_hub else None  # before any work
         report = convert(
             args.src, args.dst, arch=args.arch, num_heads=args.num_heads, trust_checkpoint=args.trust_checkpoint
         )
@@ -78,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(report.format())
     print(f"[mimpipe] wrote {args.dst}: timm.create_model('local-dir:{args.dst}', pretrained=True)")
+    if target is not None:
+        message = f"mimpipe convert: {report.checkpoint_format} from {args.src}"
+        try:
+            url = push_export(args.dst, target, private=args.private, message=message)
+        except ValueError as e:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            return 2
+        print(f"[mimpipe] pushed {args.dst} to {url}: timm.create_model('hf-hub:{target.repo_id}', pretrained=True)")
     return 0
 
 
@@ -106,14 +124,14 @@ def convert(
             does not divide the width, an unfitting `arch`, or weights that do not load.
     """
     ckpt = read_checkpoint(src, trust=trust_checkpoint)
-    model = _build_model(ckpt, arch, num_heads).eval()
+    model = build_from_checkpoint(ckpt, arch, num_heads).eval()
     # DeiT's get_classifier() is a pair (head, head_dist); VT-ResNet's classifier is `fc`.
     keep_head = isinstance(model.head if hasattr(model, "head") else model.get_classifier(), nn.Linear)
     report = load_encoder(model, src, head_init="keep", trust_checkpoint=trust_checkpoint, keep_head=keep_head)
     manifest = {
         "method": "convert",
         "checkpoint_format": report.checkpoint_format,
-        "source": str(Path(src).resolve()),
+        "source": str(src) if is_hub_spec(src) else str(Path(src).resolve()),
         "pooling_hint": model.global_pool,
         "not_exported": report.dropped,
     }
@@ -156,7 +174,7 @@ def infer_vit_args(state: dict[str, torch.Tensor]) -> dict:
     return args
 
 
-def _build_model(ckpt: Checkpoint, arch: str | None, num_heads: int | None) -> nn.Module:
+def build_from_checkpoint(ckpt: Checkpoint, arch: str | None, num_heads: int | None) -> nn.Module:
     """Our export from its config.json; a T2T-ViT or VT-ResNet as the variant its weights match; any other
     checkpoint as a timm ViT with the structure read from its weights and the heads from `num_heads`, `arch` or the
     width, in that order."""

@@ -42,6 +42,7 @@ from data.transforms import eval_transform
 WEIGHT_DECAYS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
 """The L2 penalties tried (on the mean cross-entropy, weights only): from almost none to strong."""
 POOLINGS = ("cls", "mean")
+CPU = torch.device("cpu")
 
 
 def fit_logistic_regression(
@@ -126,23 +127,33 @@ def probe(
 
 
 @torch.no_grad()
-def extract_features(model, loader, precision: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def extract_features(
+    model, loader, precision: str, device: torch.device = CPU
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Frozen features of a timm ViT built with `global_pool: token` (its final norm applied to every token).
 
+    Args:
+        model: The encoder, on `device`.
+        loader: Batches of "image" (B, 3, H, W) and "label" (B,); possibly none (a rank's empty share).
+        precision: "bf16" (autocast) or "fp32".
+        device: Where the model runs.
+
     Returns:
-        {"cls": (N, D), "mean": (N, D)} float32 features and (N,) int64 labels.
+        {"cls": (N, D), "mean": (N, D)} float32 features on `device` and (N,) int64 labels on the CPU.
     """
     model.eval()
     pooled: dict[str, list[torch.Tensor]] = {name: [] for name in POOLINGS}
-    labels = []
+    labels = [torch.zeros(0, dtype=torch.int64)]
     for batch in loader:
-        with autocast_context(precision, torch.device("cpu")):
-            images = batch_to_device(batch, torch.device("cpu"))["image"]  # (B, 3, H, W) normalised
+        with autocast_context(precision, device):
+            images = batch_to_device(batch, device)["image"]  # (B, 3, H, W) normalised
             tokens = model.forward_features(images).float()  # (B, T, D)
         pooled["cls"].append(tokens[:, 0])
-        pooled["mean"].append(tokens[:, model.num_prefix_tokens :].mean(dim=1))
+        prefix = getattr(model, "num_prefix_tokens", 0)  # VT-ResNet's visual tokens have no prefix (nor a cls)
+        pooled["mean"].append(tokens[:, prefix:].mean(dim=1))
         labels.append(batch["label"])
-    return {name: torch.cat(parts) for name, parts in pooled.items()}, torch.cat(labels)
+    empty = torch.zeros(0, model.num_features, device=device)  # (0, D): what an empty share gives
+    return {name: torch.cat([empty, *parts]) for name, parts in pooled.items()}, torch.cat(labels)
 
 
 def main(argv: list[str] | None = None) -> int:

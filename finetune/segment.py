@@ -165,7 +165,7 @@ class SegEvaluation:
         }  # fmt: skip
         out = run.run_dir / "export"
         export_state_dict(
-            encoder_config(cfg), encoder, out, num_classes=0, manifest=manifest,
+            encoder_config(cfg), encoder, out, num_classes=0, manifest=manifest, run_dir=run.run_dir,
             extra_files={HEAD_FILE: lambda path: safetensors.torch.save_file(head, str(path))},
         )  # fmt: skip
 

@@ -1,6 +1,7 @@
 """The fine-tuning stage, as `python -m finetune` runs it (finetune/__main__.py): hand-off from any accepted checkpoint,
 classification training (full fine-tuning, linear probe, or DeiT distillation), exactly-once evaluation, export of
-the best checkpoint; semantic segmentation (finetune/segment.py); or `convert SRC DST`, `predict EXPORT ...`."""
+the best checkpoint; semantic segmentation (finetune/segment.py); or `convert SRC DST`, `predict EXPORT ...`,
+`evaluate CHECKPOINT ...` (finetune/report_card.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.inspect_vit import main as inspect_main
 
         return inspect_main(argv[1:])
+    if argv[:1] == ["evaluate"]:
+        from finetune.report_card import main as evaluate_main
+
+        return evaluate_main(argv[1:])
 
     # Config (pooling from the checkpoint's hint unless the recipe says), distributed init, run dir, resume point
     run = start_stage("python -m finetune", argv, resolve=resolve_global_pool)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import timm
 import torch
 from torch import nn
 
 from core.engine.setup import set_attention
 from core.export.handoff import load_encoder
+from core.export.read import local_path
 from core.recipe.config import Config
 from core.recipe.sections import DistillConfig
 
@@ -21,7 +20,7 @@ def load_teacher(cfg: Config, num_classes: int, logger, device: torch.device) ->
         ValueError: A bare checkpoint without `distill.teacher_arch`, or a teacher with another number of classes.
     """
     d = cfg.distill
-    path = Path(d.teacher)
+    path = local_path(d.teacher)  # an `hf-hub:` teacher: its folder in the Hub cache
     if teacher_is_folder(d):
         teacher = timm.create_model(f"local-dir:{path}", pretrained=True)
     else:
@@ -40,9 +39,10 @@ def teacher_is_folder(d: DistillConfig) -> bool:
     config.json names the architecture) rather than a bare checkpoint.
 
     Raises:
-        ValueError: A bare checkpoint without `distill.teacher_arch`.
+        ValueError: A bare checkpoint without `distill.teacher_arch`, or an `hf-hub:` teacher that is neither cached
+            nor downloadable.
     """
-    path = Path(d.teacher)
+    path = local_path(d.teacher)
     if path.is_dir() and (path / "config.json").is_file():
         return True
     if not d.teacher_arch:

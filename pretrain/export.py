@@ -1,5 +1,7 @@
-"""`python -m pretrain export RUN_DIR [--step N] [--out DIR]`: export a checkpoint's encoder, consolidated from any
-ZeRO stage, in timm's Hugging Face layout (config.json + model.safetensors + mimpipe.json)."""
+"""`python -m pretrain export RUN_DIR [--step N] [--out DIR] [--push-to-hub ORG/NAME [--private]]`: export a
+checkpoint's encoder, consolidated from any ZeRO stage, in timm's Hugging Face layout (config.json + model.safetensors
++ mimpipe.json + the README.md model card), and upload it to a Hub repo. The push is checked (network, token) before
+anything is read."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 from core.engine.checkpoint import resumable_tag
 from core.engine.gather import consolidated_state_dict
 from core.export.folder import export_state_dict
+from core.export.push import check_push, push_export
 from core.recipe.config import Config, load_config
 
 
@@ -32,7 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/export)")
+    parser.add_argument("--push-to-hub", metavar="ORG/NAME", help="upload the export to this Hugging Face Hub repo")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     args = parser.parse_args(argv)
+    if args.private and not args.push_to_hub:
+        parser.error("--private needs --push-to-hub ORG/NAME")
+    try:
+        target = check_push(args.push_to_hub) if args.push_to_hub else None  # before any work
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
 
     ckpt_dir = args.run_dir / "checkpoints"
     if args.step is not None:
@@ -49,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     manifest = pretrain_manifest(
         cfg, step=int(tag.removeprefix("step_")), source=str(ckpt_dir / tag), objective_keys=state
     )
-    out = export_state_dict(cfg, encoder, args.out or args.run_dir / "export", num_classes=0, manifest=manifest)
+    out = export_state_dict(
+        cfg, encoder, args.out or args.run_dir / "export", num_classes=0, manifest=manifest, run_dir=args.run_dir
+    )
     print(f"exported {len(encoder)} encoder tensors from {ckpt_dir / tag} to {out}")
+    if target is not None:
+        try:
+            url = push_export(out, target, private=args.private, message=f"mimpipe export: {cfg.objective.kind}, {tag}")
+        except ValueError as e:
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        print(f"pushed {out} to {url} as {target.user}: timm.create_model('hf-hub:{target.repo_id}', pretrained=True)")
     return 0

@@ -3,9 +3,9 @@
 Every `eval.knn.every_steps` the encoder (eval mode, no gradients, the run's precision) embeds a labelled bank and a
 labelled query set; each query is classified by a weighted vote of its k most similar bank features, as in DINO
 (`eval_knn.py`): cosine similarity of L2-normalised features, each neighbour voting for its class with weight
-exp(similarity / temperature). Logged: `knn/top1`, `knn/top5`, `knn/seconds` and the two set sizes. With
-`eval.knn.fewshot`, the same features also give the ViT paper's few-shot linear accuracy (`fewshot/top1_{n}shot`,
-`fewshot/seconds`).
+exp(similarity / temperature) (core/report/knn.py `KNNBank`). Logged: `knn/top1`, `knn/top5`, `knn/seconds` and the
+two set sizes. With `eval.knn.fewshot`, the same features also give the ViT paper's few-shot linear accuracy
+(`fewshot/top1_{n}shot`, `fewshot/seconds`).
 
 Distributed: each rank embeds its own shards of both sets (`make_eval_loader`: every sample on exactly one rank), the
 bank features are gathered on every rank, each rank classifies its own queries and the correct counts are summed,
@@ -26,7 +26,6 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,49 +37,10 @@ from core.engine.distributed import DistInfo, all_gather_rows, all_reduce
 from core.engine.precision import autocast_context, to_device
 from core.recipe.sections import KNNConfig
 from core.report.fewshot import fewshot_correct
-from core.report.metrics import topk_correct
+from core.report.knn import KNNBank
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
 from data.transforms import eval_transform
-
-_QUERY_CHUNK = 1024  # queries scored at once: the (chunk, N) similarity matrix bounds the memory
-
-
-@dataclass(frozen=True)
-class KNNBank:
-    """The labelled bank that classifies queries by DINO's weighted k-NN vote.
-
-    Args:
-        features: (N, D) L2-normalised bank features.
-        labels: (N,) class indices of the bank.
-        k: Neighbours that vote (all N when N < k).
-        temperature: A neighbour with cosine similarity s votes exp(s / temperature) for its class.
-        num_classes: C.
-    """
-
-    features: torch.Tensor
-    labels: torch.Tensor
-    k: int
-    temperature: float
-    num_classes: int
-
-    def votes(self, queries: torch.Tensor) -> torch.Tensor:
-        """(Q, D) L2-normalised query features -> (Q, C) float32 votes: for each query, the summed weights of its k
-        nearest bank samples per class."""
-        similarity = queries.float() @ self.features.float().T  # (Q, N)
-        top_similarity, top_index = similarity.topk(min(self.k, len(self.features)), dim=1)  # (Q, k), nearest first
-        weights = (top_similarity / self.temperature).exp()  # (Q, k)
-        votes = torch.zeros(len(queries), self.num_classes, device=queries.device)  # (Q, C)
-        return votes.scatter_add_(1, self.labels[top_index], weights)
-
-    def correct(self, queries: torch.Tensor, query_labels: torch.Tensor) -> torch.Tensor:
-        """(2,) int64: how many of the (Q, D) queries have their label (Q,) as the top-1 and among the top-5 vote
-        winners (scored `_QUERY_CHUNK` queries at a time)."""
-        correct = torch.zeros(2, dtype=torch.int64, device=queries.device)
-        for start in range(0, len(queries), _QUERY_CHUNK):
-            chunk = slice(start, start + _QUERY_CHUNK)
-            correct += topk_correct(self.votes(queries[chunk]), query_labels[chunk], ks=(1, 5))
-        return correct
 
 
 def pooled_features(encoder: nn.Module, images: torch.Tensor, pooling: str) -> torch.Tensor:

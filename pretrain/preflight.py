@@ -1,7 +1,8 @@
 """Pretraining's launch-time checks (run by core/launch/preflight.py before any process starts): a BEiT-style tokenizer
 target loads and its code grid is the encoder's patch grid (a tokenizer export is small, a VQ-VAE of a few MB, so it
-is loaded in full, exactly as the ranks will); the kNN monitor's bank and queries have images and labels, and a shard
-for every rank."""
+is loaded in full, exactly as the ranks will); a warm start's `model.init: hf-hub:ORG/NAME` is in the Hub cache (or,
+online, downloaded into it now, once, for the ranks to read); the kNN monitor's bank and queries have images and
+labels, and a shard for every rank."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from core.recipe.sections import BEiTObjective
 def check(cfg: Config, findings: Findings, world_size: int) -> None:
     """The tokenizer target, and the kNN monitor's sets: images with labels, a shard for each of `world_size` ranks."""
     check_tokenizer(cfg, findings)
+    check_hub_init(cfg, findings)
     knn = cfg.eval.knn
     if not knn.enabled:
         return
@@ -28,6 +30,22 @@ def check(cfg: Config, findings: Findings, world_size: int) -> None:
 def resolve(cfg: Config) -> None:
     """Complete `cfg` as the entry point does before it compares it with a checkpoint's: pretraining leaves nothing
     to the run."""
+
+
+def check_hub_init(cfg: Config, findings: Findings) -> None:
+    """A warm start from the Hub (`model.init: hf-hub:ORG/NAME`) finds the repo's files in the Hub cache, or
+    downloads them now when online: offline, a missing cache entry stops the launch in one line."""
+    init = cfg.model.init
+    if not (init and init.startswith("hf-hub:")):
+        return
+    from core.export.hub import hub_folder  # huggingface_hub and timm: only for the recipes that name the Hub
+
+    try:
+        folder = hub_folder(init)
+    except ValueError as err:
+        findings.fail("model.init", str(err), file=init)
+        return
+    findings.ok(f"model.init: {init} in the Hub cache ({folder.name[:12]})")
 
 
 def check_tokenizer(cfg: Config, findings: Findings) -> None:

@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         manifest = pretrain_manifest(
             cfg, step=run.state.step, source=run.recipe, objective_keys=engine.module.state_dict()
         )
-        out = export_state_dict(cfg, state_dict, run.run_dir / "export", num_classes=0, manifest=manifest)
+        out = export_state_dict(
+            cfg, state_dict, run.run_dir / "export", num_classes=0, manifest=manifest, run_dir=run.run_dir
+        )
         run.logger.console(
             f"[mimpipe] encoder exported to {out} (timm.create_model('local-dir:{out}', pretrained=True))"
         )

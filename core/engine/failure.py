@@ -12,6 +12,10 @@ instead, so that the one `[mimpipe] error:` line is the cause. That is gloo's "C
 communicator its watchdog aborted after a peer's error or a collective timeout (init_distributed has NCCL abort the
 communicators and raise in the rank rather than end the process from its watchdog thread), and `PeerLostError`, which
 our own waits outside collectives raise.
+
+Ctrl-C (core/engine/preempt.py handles it inside the training loop): outside the loop, a KeyboardInterrupt is one line
+from rank 0 and `EXIT_INTERRUPTED`; after a Ctrl-C, a peer lost is the peer that stopped at once on the second one,
+and ends this rank quietly with the same code.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+
+from core.engine.preempt import EXIT_INTERRUPTED, ctrl_c_received
 
 EXIT_ERROR = 1
 """Exit code of a rank that stopped on an exception (Python's own code for an uncaught one)."""
@@ -69,15 +75,31 @@ def log_tracebacks_to(run_dir: str | Path) -> None:
 
 def run_guarded(main: Callable[[], int]) -> int:
     """Run a stage entry point; an exception becomes one console line, a logged traceback and `EXIT_ERROR`
-    (`StageExit`: its own line and code)."""
+    (`StageExit`: its own line and code; Ctrl-C: `stopped_by_ctrl_c`)."""
     try:
         return main()
     except StageExit as stop:
         if stop.line is not None:
             print(stop.line, file=sys.stdout if stop.code == 0 else sys.stderr, flush=True)
         return stop.code
+    except KeyboardInterrupt:
+        return stopped_by_ctrl_c()
     except Exception as err:  # every error ends here, reported once
+        if ctrl_c_received() and (isinstance(err, PeerLostError) or peer_lost(err)):
+            return EXIT_INTERRUPTED  # a peer stopped at once on a second Ctrl-C (before this rank saw it): it says so
         return report(err)
+
+
+def stopped_by_ctrl_c() -> int:
+    """A Ctrl-C outside the training loop (before it, or after its last step; inside it the loop saves first,
+    core/engine/preempt.py): one line from rank 0, no traceback, and `EXIT_INTERRUPTED`."""
+    if os.environ.get("RANK", "0") == "0":
+        line = (
+            "[mimpipe] stopped by Ctrl-C outside the training loop, nothing saved; launch the same command again to "
+            f"resume from the last complete checkpoint, the one checkpoints/latest names (exit code {EXIT_INTERRUPTED})"
+        )
+        print(line, file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
 
 
 def report(err: BaseException) -> int:

@@ -6,9 +6,9 @@ non-finite is skipped on the device), then log / evaluate / checkpoint every N s
 non-finite streak is saved at the next read step after it).
 
 Host syncs: none on an ordinary step. The host reads values back only on logging steps and every
-`engine.sync_every_steps` (see core/engine/agreement.py): the ranks then agree whether one was asked to stop (SIGTERM,
-see core/engine/preempt.py), how long the non-finite streak is, and whether a step's loss or gradient norm spiked
-(core/engine/rollback.py: the loop then goes back to the last good checkpoint's step).
+`engine.sync_every_steps` (see core/engine/agreement.py): the ranks then agree whether one was asked to stop (SIGTERM
+or Ctrl-C, see core/engine/preempt.py), how long the non-finite streak is, and whether a step's loss or gradient norm
+spiked (core/engine/rollback.py: the loop then goes back to the last good checkpoint's step).
 """
 
 from __future__ import annotations
@@ -41,7 +41,13 @@ class NonFiniteLossError(RuntimeError):
 
 
 class PreemptedError(RuntimeError):
-    """A rank received SIGTERM: every rank stopped after the same step and saved a checkpoint of it."""
+    """A rank received SIGTERM or Ctrl-C: every rank stopped after the same step and saved a checkpoint of it; `code`
+    is the exit code, the same on every rank (`preempt.EXIT_INTERRUPTED` when any rank received Ctrl-C, else
+    `preempt.EXIT_PREEMPTED`)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
 def _max_memory_gb(device: torch.device) -> float:
@@ -89,7 +95,8 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
     Raises:
         NonFiniteLossError: After `engine.max_consecutive_nonfinite` non-finite steps in a row.
         TooManyRollbacksError: At a loss spike after `engine.max_rollbacks` rollbacks (core/engine/rollback.py).
-        PreemptedError: After the step during which some rank received SIGTERM, once its checkpoint is saved.
+        PreemptedError: After the step during which some rank received SIGTERM or Ctrl-C, once its checkpoint is
+            saved.
     """
     cfg, dist, state, logger = run.cfg, run.dist, run.state, run.logger
     total_steps, warmup_steps = run.total_steps, run.warmup_steps
@@ -143,7 +150,7 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
         spike = watch.check(dist.world_size) if read_now else None
         if spike is not None and roll_back(run, engine, step, spike):  # before this step is logged or saved
             if stop:
-                raise PreemptedError(_preempted(step, total_steps, f"rolled back to step {state.step} after {spike}"))
+                raise _preempted(step, total_steps, f"rolled back to step {state.step} after {spike}", device)
             window.drop_steps()
             step = state.step + 1
             continue
@@ -169,7 +176,7 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
                 stop = stop or _anyone_stopping(device)  # a SIGTERM during the save: this checkpoint is the one
         if stop:
             where = f"with checkpoint {saved.tag_dir}" if saved is not None and saved.tag_dir is not None else None
-            raise PreemptedError(_preempted(step, total_steps, where))
+            raise _preempted(step, total_steps, where, device)
         if first is not None:
             logger.mark_start(step)  # keep the first step's one-off set-up cost out of the ETA
             first = None
@@ -201,12 +208,17 @@ def _save_unless_nonfinite(run: StageRun, engine, step: int, *, preempted: bool)
     return saved
 
 
-def _preempted(step: int, total_steps: int, checkpoint: str | None) -> str:
+def _preempted(step: int, total_steps: int, checkpoint: str | None, device: torch.device) -> PreemptedError:
+    """The stop after `step`, Ctrl-C's if any rank received one (one all-reduce: every rank stops at this same step),
+    else SIGTERM's."""
     where = checkpoint or "without a new checkpoint (see the line above); checkpoints/latest names the last one"
-    return (
-        f"preempted: SIGTERM received, stopped after step {step} of {total_steps} {where}; "
-        f"launch the same command again to resume from it"
-    )
+    resume = "launch the same command again to resume from it"
+    ctrl_c = all_reduce(torch.tensor(float(preempt.ctrl_c_received()), device=device), op="max")
+    if ctrl_c.item():
+        message = f"stopped by Ctrl-C after step {step} of {total_steps} {where}; {resume}"
+        return PreemptedError(message, preempt.EXIT_INTERRUPTED)
+    message = f"preempted: SIGTERM received, stopped after step {step} of {total_steps} {where}; {resume}"
+    return PreemptedError(message, preempt.EXIT_PREEMPTED)
 
 
 def _log(run: StageRun, window: _Window, meter, step: int, *, lr: float, engine, optimizer) -> None:
@@ -237,8 +249,8 @@ def _periodic_extras(
     evaluation changed (the best score of a fine-tuning run).
 
     Returns:
-        Whether to stop after this step, the same on every rank: an evaluation cut short by a SIGTERM
-        (`preempt.StopAgreed`, nothing of it logged), or a SIGTERM that arrived while the extras ran.
+        Whether to stop after this step, the same on every rank: an evaluation cut short by a SIGTERM or Ctrl-C
+        (`preempt.StopAgreed`, nothing of it logged), or one that arrived while the extras ran.
     """
     image_every = cfg.logging.image_every_steps
     pictures = (
@@ -257,8 +269,8 @@ def _periodic_extras(
 
 
 def _anyone_stopping(device: torch.device) -> bool:
-    """Whether some rank received SIGTERM, the same on every rank (one all-reduce and a host read: only after the
-    rare steps with pictures, an evaluation or a save, so that the run stops with them instead of steps later)."""
+    """Whether some rank received SIGTERM or Ctrl-C, the same on every rank (one all-reduce and a host read: only after
+    the rare steps with pictures, an evaluation or a save, so that the run stops with them instead of steps later)."""
     return bool(all_reduce(torch.tensor(float(preempt.stop_requested()), device=device), op="max").item())
 
 

@@ -6,6 +6,7 @@ from core.engine.distributed import DistInfo
 from core.engine.setup import resolve_attention
 from core.recipe.config import Config
 from core.recipe.sections import TrainSource
+from data.quickstart import SYNTHETIC_WARNING
 from data.specs import dataset_size, describe_shards
 
 
@@ -17,6 +18,7 @@ def launch_plan(
     warmup_steps: int,
     samples: int | None,
     precision_reason: str = "",
+    synthetic: bool = False,
 ) -> str:
     """What the run will do, printed once at launch: batch arithmetic, the precision and why, the lr actually used, a
     mixture's sources."""
@@ -41,6 +43,8 @@ def launch_plan(
     )
     if cfg.data.is_mixture:
         plan += "\n" + mixture_plan(cfg.data.train, total_steps * cfg.data.global_batch_size)
+    if synthetic:
+        plan += f"\n[mimpipe] data.train holds {SYNTHETIC_WARNING} (its index.json: source synthetic)"
     return plan
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import random
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,29 +26,31 @@ from core.engine.loop import LoopHooks, NonFiniteLossError, PreemptedError, trai
 from core.engine.parent_death import die_with_launcher
 from core.engine.plan import launch_plan
 from core.engine.precision import resolve_precision
-from core.engine.preempt import EXIT_PREEMPTED
 from core.engine.rollback import TooManyRollbacksError
 from core.engine.setup import parallelize
 from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
 from core.engine.utilisation import device_peak
 from core.launch.disk import checkpoint_room
+from core.launch.lease import TAKE_OVER_FLAG, HeldLease, acquire
 from core.launch.rundir import ALLOW_FLAG, Relaunch, keep_launch_config, mark_finished, relaunch
 from core.recipe.config import Config, dump_config, load_config
 from core.report.logging import MetricsLogger
-from data.specs import dataset_size
+from data.quickstart import SYNTHETIC_WARNING
+from data.specs import dataset_size, is_synthetic
 
 EXIT_NONFINITE = 3
 """Process exit code after `engine.max_consecutive_nonfinite` non-finite steps in a row, or a loss spike after
 `engine.max_rollbacks` rollbacks (see `run_loop`)."""
 EXIT_REFUSED = 2
-"""Process exit code of a launch refused before training: the run_dir holds a run of another config (as launch.sh's
-pre-flight exits)."""
+"""Process exit code of a launch refused before training: another live launch holds the run_dir, or it holds a run of
+another config (as launch.sh's pre-flight exits)."""
 
 
 def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config], None] | None = None) -> StageRun:
-    """Parse `RECIPE [overrides] [--allow-config-change]`, load the config, join the process group, check that the
-    launch may go on in run_dir (core/launch/rundir.py), keep its config, find the resume point.
+    """Parse `RECIPE [overrides] [--allow-config-change] [--take-over-run-dir]`, load the config, join the process
+    group, take run_dir's lease (core/launch/lease.py), check that the launch may go on in run_dir
+    (core/launch/rundir.py), keep its config, find the resume point.
 
     Resume order: this run_dir's `checkpoints/latest`, else from scratch (fine-tuning applies `model.init`
     first; a resumed checkpoint is loaded over it).
@@ -58,18 +62,21 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
             before the config is written to run_dir/config.yaml and logged, so that both say what the run used.
 
     Raises:
-        StageExit: The run_dir holds a run of another config (exit 2), or this run, finished (exit 0).
+        StageExit: Another live launch holds run_dir, or it holds a run of another config (exit 2), or this run,
+            finished (exit 0).
     """
     parser = argparse.ArgumentParser(prog=prog, description="Run a recipe: RECIPE [section.key=value ...]")
     parser.add_argument("recipe", help="YAML recipe")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.base_lr=1e-4")
     parser.add_argument(ALLOW_FLAG, action="store_true", help="resume run_dir even if its config differs")
+    parser.add_argument(TAKE_OVER_FLAG, action="store_true", help="take run_dir over even if its lease is live")
     args = parser.parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
     log_tracebacks_to(cfg.run_dir)  # an error from here on leaves its traceback in run_dir/logs (see run_guarded)
     preempt.install()
     die_with_launcher()
     dist = init_distributed(cfg.engine.device)
+    lease = own_run_dir(cfg, dist, args.recipe, take_over=args.take_over_run_dir)  # before run_dir is read or written
     precision = resolve_precision(cfg, dist.device)  # `auto` made concrete before config.yaml is written
     if resolve is not None:
         resolve(cfg)
@@ -92,6 +99,9 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
         logger.console(f"[mimpipe] {note}")
     if precision.warning is not None:
         logger.console(f"[mimpipe] warning: {precision.warning}")
+    synthetic = is_synthetic(cfg.data.train)
+    if synthetic:
+        logger.text("data/synthetic", 0, f"data.train holds {SYNTHETIC_WARNING}")
     if resume is None:  # TensorBoard would keep a run's first hparams anyway; the resumed config is in config.yaml
         logger.hparams(cfg.model_dump(mode="json"))
     # ZeRO-3 logs no perf/mfu (see start_meter), so nothing is measured for it
@@ -112,7 +122,39 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
         logger,
         peak,
         precision.reason,
+        synthetic_data=synthetic,
+        lease=lease,
     )
+
+
+def own_run_dir(cfg: Config, dist: DistInfo, recipe: str, *, take_over: bool) -> HeldLease | None:
+    """Rank 0 takes run_dir's lease (core/launch/lease.py) and tells every rank whether it got it, so that all of them
+    stop or none: of two launches that passed launch.sh's pre-flight together, one trains. Rank 0 prints a takeover's
+    warning. Returns rank 0's lease (None on the other ranks); the stage gives it back when it ends (`finish_stage`,
+    and core/entry/stage.py whatever the way it ends).
+
+    Raises:
+        StageExit: On every rank, code `EXIT_REFUSED`, when another live launch holds run_dir; rank 0's carries the
+            line to print.
+    """
+    held, told = None, [None]
+    if dist.is_main:
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        got = acquire(
+            cfg.run_dir,
+            stage=cfg.stage,
+            recipe=os.path.abspath(recipe),
+            stale_after_s=cfg.checkpoint.lease_timeout_s,
+            take_over=take_over,
+        )
+        held, told = got.held, [got.refusal]
+        if got.note is not None:
+            print(f"[mimpipe] warning: run_dir: {got.note}", file=sys.stderr, flush=True)
+    if dist.world_size > 1:
+        torch.distributed.broadcast_object_list(told, src=0)
+    if told[0] is not None:
+        raise StageExit(EXIT_REFUSED, f"[mimpipe] refused: run_dir: {told[0]}" if dist.is_main else None)
+    return held
 
 
 def check_relaunch(cfg: Config, dist: DistInfo, total_steps: int, *, allow_change: bool) -> list[str]:
@@ -192,6 +234,7 @@ def start_engine(
             warmup_steps=run.warmup_steps,
             samples=run.samples,
             precision_reason=run.precision_reason,
+            synthetic=run.synthetic_data,
         )
     )
     compiled = describe_compiled(engine.module)
@@ -225,14 +268,14 @@ def run_loop(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: L
 
     Returns:
         0 when every step ran; `EXIT_NONFINITE` (3) after too many non-finite steps in a row or too many rollbacks;
-        `EXIT_PREEMPTED` (4) after a SIGTERM, once the checkpoint of the step reached is saved. On a non-zero code
-        the logger is closed and the stage should return the code.
+        `EXIT_PREEMPTED` (4) after a SIGTERM, `EXIT_INTERRUPTED` (130) after a Ctrl-C, once the checkpoint of the
+        step reached is saved. On a non-zero code the logger is closed and the stage should return the code.
     """
-    preempt.install()  # normally done by start_stage already; SIGTERM is only deferred while the loop runs
+    preempt.install()  # normally done by start_stage already; SIGTERM and Ctrl-C are only deferred while the loop runs
     try:
         train(run, engine, optimizer, batches, hooks or LoopHooks())
     except (NonFiniteLossError, TooManyRollbacksError, PreemptedError) as err:
-        code = EXIT_PREEMPTED if isinstance(err, PreemptedError) else EXIT_NONFINITE
+        code = err.code if isinstance(err, PreemptedError) else EXIT_NONFINITE
         run.logger.console(f"[mimpipe] {err} (exit code {code})")
         run.logger.close()  # TensorBoard keeps events in memory for up to two minutes
         return code
@@ -243,11 +286,16 @@ def run_loop(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: L
 
 def finish_stage(run: StageRun) -> None:
     """End a stage whose last step ran and whose export is written: `finished.json` (a relaunch with the same schedule
-    then does nothing), the TensorBoard hint, the logger and the process group closed."""
+    then does nothing), the TensorBoard hint, the logger closed, run_dir's lease given back, the process group
+    closed."""
     if run.dist.is_main:
         mark_finished(run.run_dir, run.state.step, (run.run_dir / "checkpoints" / "latest").read_text().strip())
     run.logger.console(f"[mimpipe] TensorBoard: tensorboard --logdir {run.run_dir / 'tb'}")
+    if run.synthetic_data:
+        run.logger.console(f"[mimpipe] this run trained on {SYNTHETIC_WARNING}")
     run.logger.close()
+    if run.lease is not None:
+        run.lease.release()  # a relaunch may start at once: it finds the run finished
     shutdown()
 
 

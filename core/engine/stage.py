@@ -8,6 +8,7 @@ from pathlib import Path
 
 from core.engine.distributed import DistInfo
 from core.engine.train_state import TrainState
+from core.launch.lease import HeldLease
 from core.recipe.config import Config
 from core.report.logging import MetricsLogger
 
@@ -34,3 +35,8 @@ class StageRun:
     loop finds it."""
     precision_reason: str = ""
     """Why the run uses `cfg.engine.precision` (`core.launch.precision.PrecisionChoice.reason`), for the plan line."""
+    synthetic_data: bool = False
+    """data.train holds synthetic images (its index.json says so): the plan, TensorBoard and the stage's end say that
+    the numbers mean nothing."""
+    lease: HeldLease | None = None
+    """Rank 0's lease on run_dir (core/launch/lease.py), given back when the stage ends; None on the other ranks."""

@@ -15,7 +15,17 @@ COMMANDS = {
         "fine-tune or probe: mimpipe finetune RECIPE [key=value ...]; also `finetune convert`",
     ),
     "data": ("data", [], "write, index or inspect shards: mimpipe data write|index|inspect ..."),
-    "export": ("pretrain", ["export"], "export a pretraining run's encoder: mimpipe export RUN_DIR [--step N]"),
+    "export": (
+        "pretrain",
+        ["export"],
+        "export a pretraining run's encoder: mimpipe export RUN_DIR [--step N] [--push-to-hub ORG/NAME [--private]]",
+    ),
+    "evaluate": (
+        "finetune",
+        ["evaluate"],
+        "kNN, linear probe, few-shot, rank of encoders: mimpipe evaluate CHECKPOINT ... --train S --val S --out DIR",
+    ),
+    "status": ("core.entry.status", [], "one screen on a run: mimpipe status RUN_DIR [--json] [--verify]"),
 }
 """Each command's module (run as `python -m` runs it), the arguments put before the user's, and its help line."""
 

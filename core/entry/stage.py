@@ -16,8 +16,9 @@ import gc
 import sys
 from collections.abc import Callable
 
-from core.engine.failure import run_guarded
+from core.engine.failure import run_guarded, stopped_by_ctrl_c
 from core.launch.imports import imports_without_collection
+from core.launch.lease import release_held
 from core.recipe.config import load_config
 from data.worker_process import start_fork_server
 
@@ -28,10 +29,16 @@ def run(stage: str, argv: list[str] | None = None) -> int:
     """`python -m STAGE ARGS`: `prestart`, then the stage's `main(argv)` (default: sys.argv[1:]), guarded; returns
     the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    prestart(argv)
-    with imports_without_collection():
-        main = STAGES[stage]()
-    code = run_guarded(lambda: main(argv))
+    try:
+        prestart(argv)
+        with imports_without_collection():
+            main = STAGES[stage]()
+    except KeyboardInterrupt:  # Ctrl-C during the imports (seconds)
+        return stopped_by_ctrl_c()
+    try:
+        code = run_guarded(lambda: main(argv))
+    finally:
+        release_held()  # rank 0 gives run_dir's lease back however the stage ended (core/launch/lease.py)
     # Nothing the stage built is collected again: frozen, it spares the interpreter's exit a garbage collection over
     # every object of torch, DeepSpeed, timm and dynamo (1.1 s of CPU per rank at every launch's end).
     gc.freeze()
@@ -55,7 +62,11 @@ def prestart(argv: list[str]) -> None:
 
 def has_workers(argv: list[str]) -> bool:
     """Whether `argv` (`RECIPE [section.key=value ...] [--flags]`) names a recipe that loads and has data workers. A
-    subcommand's arguments (`export RUN_DIR`, `convert SRC DST`) name no recipe."""
+    subcommand's arguments (`export RUN_DIR`, `convert SRC DST`) name no recipe; `evaluate` has workers unless
+    `--num-workers 0` (finetune/report_card.py)."""
+    if argv[:1] == ["evaluate"]:
+        given = set(argv) | {f"{flag} {value}" for flag, value in zip(argv, argv[1:], strict=False)}
+        return not given & {"--num-workers 0", "--num-workers=0"}
     words = [arg for arg in argv if not arg.startswith("-")]
     if not (words and words[0].endswith((".yaml", ".yml"))):
         return False

@@ -5,6 +5,7 @@ The folder holds timm's Hugging Face layout plus our manifest:
     config.json        architecture, model_args, pretrained_cfg (mean/std/input_size/interpolation), num_classes
     model.safetensors  the encoder state dict, tensors only (never pickled)
     mimpipe.json       how it was made: the caller's manifest + created time, tensor count, library versions
+    README.md          the model card in the Hugging Face Hub's format (core/export/card.py)
 
 The export is written into a temporary folder beside `out_dir` and renamed into place only once complete and
 verified, so a crash leaves either the previous export or the new one, never a half-written mix.
@@ -30,11 +31,14 @@ from timm.models import VisionTransformer
 
 from core.compat import timm as timm_compat
 from core.engine.ckpt_files import fsync_path
+from core.export.card import write_card
+from core.export.card_facts import RunFacts, run_facts
 from core.export.manifest import MANIFEST_NAME
 from core.models.build import build_model, model_args
 from core.recipe.config import Config
+from data.specs import is_synthetic
 
-_ADDED_MANIFEST_KEYS = ("created", "num_tensors", "num_params", "versions")
+_ADDED_MANIFEST_KEYS = ("created", "num_tensors", "num_params", "versions", "synthetic_data")
 _DATA_CONFIG_KEYS = ("mean", "std", "interpolation", "crop_pct", "crop_mode")
 
 
@@ -46,8 +50,10 @@ def export_model(
     manifest: dict,
     data_config: dict | None = None,
     extra_files: dict[str, Callable[[Path], None]] | None = None,
+    facts: RunFacts | None = None,
 ) -> Path:
-    """Write `model` as a timm `local-dir` folder with a manifest, atomically replacing any previous export.
+    """Write `model` as a timm `local-dir` folder with a manifest and a model card, atomically replacing any
+    previous export.
 
     Args:
         model: A materialised CPU timm ViT (built by `timm.create_model`, so it carries its `pretrained_cfg`).
@@ -59,6 +65,8 @@ def export_model(
             written into config.json's `pretrained_cfg`; the model's own defaults otherwise.
         extra_files: More files of the export, by name: each function writes its file at the path it is given
             (inside the folder before it is swapped in, so they are part of the same atomic replacement).
+        facts: What the card says of the run beyond the manifest (data, schedule, monitors: `run_facts`); None for
+            an export without a run (`python -m finetune convert`).
 
     Returns:
         The export folder.
@@ -81,6 +89,7 @@ def export_model(
         (tmp_dir / MANIFEST_NAME).write_text(json.dumps(full_manifest, indent=2) + "\n")
         for name, write in (extra_files or {}).items():
             write(tmp_dir / name)
+        write_card(tmp_dir, location=f"local-dir:{out_dir}", facts=facts)
         _check_rebuilds(model, tmp_dir, tensors)
     return out_dir
 
@@ -93,9 +102,11 @@ def export_state_dict(
     num_classes: int,
     manifest: dict,
     extra_files: dict[str, Callable[[Path], None]] | None = None,
+    run_dir: Path | None = None,
 ) -> Path:
     """Rebuild the plain timm model on CPU, load `state_dict` strictly and export it (timm HF layout), with
-    `extra_files` (see `export_model`)."""
+    `extra_files` (see `export_model`) and a card that describes the run: its data and schedule, and from
+    `run_dir`'s metrics.jsonl the monitors' last values at the manifest's `step`."""
     model = build_model(cfg, num_classes=num_classes)
     model.load_state_dict(state_dict, strict=True)
     data_config = {
@@ -104,9 +115,10 @@ def export_state_dict(
         "interpolation": "bicubic",
         "crop_pct": cfg.data.eval_crop_pct,
     }
+    facts = run_facts(cfg, run_dir=run_dir, step=manifest.get("step"))
     return export_model(
         model, out_dir, model_args=model_args(model), manifest=manifest, data_config=data_config,
-        extra_files=extra_files,
+        extra_files=extra_files, facts=facts,
     )  # fmt: skip
 
 
@@ -156,6 +168,9 @@ def _complete_manifest(manifest: dict, tensors: dict[str, torch.Tensor]) -> dict
         "num_params": sum(t.numel() for t in tensors.values()),
         "versions": {"torch": torch.__version__, "timm": timm.__version__, "safetensors": safetensors.__version__},
     }
+    train = ((manifest.get("config") or {}).get("data") or {}).get("train")
+    if train:  # the run's recipe: say whether it trained on synthetic images (the quickstart's fallback)
+        full["synthetic_data"] = is_synthetic(train)
     try:
         json.dumps(full)
     except (TypeError, ValueError) as e:

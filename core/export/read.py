@@ -32,6 +32,7 @@ import safetensors.torch
 import torch
 from timm.models import VisionTransformer
 
+from core.export.hub import hub_folder, is_hub_spec
 from core.export.manifest import MANIFEST_NAME
 
 FORMATS = ("mimpipe-export", "mae-pretrain", "mae-finetune", "timm", "deit-distilled")
@@ -72,7 +73,8 @@ def read_checkpoint(path: str | Path, *, trust: bool = False, shapes_only: bool 
 
     Args:
         path: Our export folder (or any folder with model.safetensors / pytorch_model.bin), a `.safetensors`
-            file, or a torch pickle (`.pth`, `.bin`, `.pt`, ...).
+            file, a torch pickle (`.pth`, `.bin`, `.pt`, ...), or `hf-hub:ORG/NAME[@REVISION]` (a Hub repo in timm's
+            layout, read from the local Hub cache: core/export/hub.py).
         trust: Allow a full unpickle (arbitrary code) when the pickle holds objects other than tensors.
         shapes_only: Read only the header of a safetensors file: its tensors come back on the meta device (shapes,
             no values, float32 whatever was stored). A pickle is read as usual (memory-mapped when it is a zip).
@@ -84,13 +86,15 @@ def read_checkpoint(path: str | Path, *, trust: bool = False, shapes_only: bool 
         ValueError: A missing or unreadable file, a pickle that needs `trust`, or contents that are not a ViT state
             dict; the message names the file.
     """
-    weights_file, config, manifest = _resolve(Path(path))
+    weights_file, config, manifest = _resolve(local_path(path))
     if shapes_only and weights_file.suffix == ".safetensors":
         contents, notes = _safetensors_shapes(weights_file), []
     else:
         contents, notes = _load_file(weights_file, trust)
     state, unwrap_notes = _unwrap(contents, weights_file)
     notes += unwrap_notes
+    if is_hub_spec(path):
+        notes.insert(0, f"{path} from the Hugging Face cache: {weights_file.parent}")
     if not any(key in state for key in STEM_KEYS):
         raise ValueError(
             f"{weights_file} is not a ViT checkpoint: none of {', '.join(STEM_KEYS)} among its {len(state)} tensors "
@@ -102,16 +106,26 @@ def read_checkpoint(path: str | Path, *, trust: bool = False, shapes_only: bool 
 
 def checkpoint_keys(path: str | Path, *, trust: bool = False) -> list[str]:
     """The tensor names of a checkpoint (timm names), reading only the header of a safetensors file."""
-    weights_file, _, _ = _resolve(Path(path))
+    weights_file, _, _ = _resolve(local_path(path))
     if weights_file.suffix == ".safetensors":
         return list(_strip_prefixes(_safetensors_shapes(weights_file))[0])
     return list(_unwrap(_load_file(weights_file, trust)[0], weights_file)[0])
 
 
 def read_manifest(path: str | Path) -> dict:
-    """mimpipe.json of an export folder; {} for anything else."""
-    path = Path(path)
+    """mimpipe.json of an export folder (a Hub repo's too); {} for anything else."""
+    path = local_path(path)
     return read_json(path / MANIFEST_NAME) if path.is_dir() else {}
+
+
+def local_path(path: str | Path) -> Path:
+    """Where a checkpoint path is on this machine: itself, or for `hf-hub:ORG/NAME` the repo's snapshot folder in
+    the Hub cache (downloaded unless offline).
+
+    Raises:
+        ValueError: A Hub repo that is neither cached nor downloadable (one line, naming the cache).
+    """
+    return hub_folder(str(path)) if is_hub_spec(path) else Path(path)
 
 
 def detect_format(keys) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.launch.lease import TAKE_OVER_FLAG
 from core.launch.preflight import StageChecks, preflight
 from core.launch.rundir import ALLOW_FLAG
 from core.recipe.config import ConfigError, dump_config, load_config
@@ -141,6 +142,7 @@ def check_launch(argv: list[str] | None, stages: Mapping[str, Callable[[], Stage
     parser.add_argument("--launcher", default="torchrun", help="how the processes meet, for the plan")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument(ALLOW_FLAG, action="store_true", help="resume run_dir even if its checkpoint's config differs")
+    parser.add_argument(TAKE_OVER_FLAG, action="store_true", help="take run_dir over even if its lease is live")
     args = parser.parse_args(argv)
     try:
         topo = topology(args)
@@ -150,7 +152,14 @@ def check_launch(argv: list[str] | None, stages: Mapping[str, Callable[[], Stage
         print(f"launch.sh: {err}", file=sys.stderr)
         return 2
     module = STAGE_MODULES[cfg.stage]
-    findings = preflight(cfg, stages[cfg.stage](), world_size=topo.world_size, allow_change=args.allow_config_change)
+    findings = preflight(
+        cfg,
+        stages[cfg.stage](),
+        world_size=topo.world_size,
+        allow_change=args.allow_config_change,
+        take_over=args.take_over_run_dir,
+        owner_check=len(topo.nodes) == 1 or bool(args.hostfile) or topo.node_rank == 0,
+    )
     for problem in findings.problems:
         print(f"launch.sh: {problem.line()}", file=sys.stderr)
     if findings.problems:

@@ -3,11 +3,11 @@ with one line naming the recipe key and the file instead of a traceback from eve
 
 Checked here for every stage: `engine.device` can run here (no silent CPU fallback on a node whose GPUs torch
 cannot use); `engine.precision` suits the machine (`auto` made concrete, bf16 refused on a GPU without it);
-`run_dir` can be created and written; every data split the stage reads resolves to shards, and the
-first sample of its first local shard has an image field (and, for fine-tuning, a label `data.decode.read_label` can
-read); a schedule in epochs has a sample count; an evaluation split has a shard for every rank (each rank reads its
-own, `make_eval_loader`); a relaunch into a run_dir whose latest checkpoint another config wrote is refused, and one
-into a finished run is found (core/launch/rundir.py).
+`run_dir` can be created and written, and no live launch holds its lease (core/launch/lease.py); every data split
+the stage reads resolves to shards, and the first sample of its first local shard has an image field (and, for
+fine-tuning, a label `data.decode.read_label` can read); a schedule in epochs has a sample count; an evaluation
+split has a shard for every rank (each rank reads its own, `make_eval_loader`); a relaunch into a run_dir whose latest
+checkpoint another config wrote is refused, and one into a finished run is found (core/launch/rundir.py).
 Each stage adds its own checks (pretrain/preflight.py, finetune/preflight.py), handed in by
 core/entry/launch_check.py as `StageChecks`: `check(cfg, findings, world_size)`
 (`model.init`, `distill.teacher` and the labels' range for fine-tuning, the tokenizer target and the kNN sets for
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.launch.gpus import cuda_unusable
+from core.launch.lease import in_use_by
 from core.launch.precision import PrecisionChoice, choose_precision, launch_machine
 from core.launch.rundir import Relaunch, latest_checkpoint, relaunch
 from core.recipe.config import Config, ConfigError
@@ -84,7 +85,15 @@ class StageChecks:
     resolve: Callable[[Config], None]
 
 
-def preflight(cfg: Config, stage: StageChecks, *, world_size: int = 1, allow_change: bool = False) -> Findings:
+def preflight(
+    cfg: Config,
+    stage: StageChecks,
+    *,
+    world_size: int = 1,
+    allow_change: bool = False,
+    take_over: bool = False,
+    owner_check: bool = True,
+) -> Findings:
     """Run every check for `cfg`.
 
     Args:
@@ -92,11 +101,15 @@ def preflight(cfg: Config, stage: StageChecks, *, world_size: int = 1, allow_cha
         stage: The checks of the stage the recipe runs.
         world_size: Processes the launch will have.
         allow_change: `--allow-config-change` was passed (see core/launch/rundir.py).
+        take_over: `--take-over-run-dir` was passed (see core/launch/lease.py).
+        owner_check: Check run_dir's lease: false on a node other than node 0 (see `check_lease`).
     """
     findings = Findings()
     check_device(cfg.engine.device, findings)
     check_precision(cfg, findings)
     check_run_dir(cfg.run_dir, findings)
+    if owner_check:
+        check_lease(cfg.run_dir, findings, take_over=take_over)
     labels = cfg.stage == "finetune" and cfg.objective.kind == "classification"  # others read images (and masks)
     resolved = {
         key: check_split(key, spec, cfg.data.label_field, labels, findings, num_ranks=world_size if is_eval else 1)
@@ -248,6 +261,20 @@ def check_run_dir(run_dir: str, findings: Findings) -> None:
         findings.fail("run_dir", f"not writable: cannot write in {existing} ({err.strerror or err})", file=path)
         return
     findings.ok("run_dir writable")
+
+
+def check_lease(run_dir: str, findings: Findings, *, take_over: bool) -> None:
+    """No live launch holds `run_dir` (core/launch/lease.py). A stale or gone lease passes: the stage takes it over
+    with a warning. Only the launch's one pre-flight, or node 0's, checks: another node cannot see a process of node 0
+    gone, so it could refuse a relaunch that node 0 lets through, which would then wait for it at the rendezvous; rank
+    0 decides for every node at the stage's start anyway. Every node's pre-flight ends before torchrun starts a rank,
+    so none sees its own launch's lease."""
+    try:
+        refusal = in_use_by(run_dir, take_over=take_over)
+    except OSError:  # run_dir unreadable: check_run_dir says so
+        return
+    if refusal is not None:
+        findings.fail("run_dir", refusal)
 
 
 def describe_spec(spec: str | list[str]) -> str:

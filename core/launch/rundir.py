@@ -43,6 +43,7 @@ MAY_CHANGE = {
     "checkpoint.every_steps": "checkpoint cadence",
     "checkpoint.keep_last": "checkpoints kept",
     "checkpoint.export_at_end": "export",
+    "checkpoint.lease_timeout_s": "how long a silent launch keeps run_dir",
     "eval.every_steps": "evaluation cadence",
     "eval.knn.every_steps": "evaluation cadence",
     "data.num_workers": "data workers",

@@ -320,6 +320,10 @@ class CheckpointConfig(Section):
     export_at_end: bool = True
     """At the end of the run, write the trained model to run_dir/export (timm layout, ready for fine-tuning or
     timm.create_model); false: checkpoints only."""
+    lease_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
+    """How long a launch whose heartbeat stopped keeps run_dir: rank 0 holds run_dir/lease.json and renews it every
+    fifth of this (at most every 10 s); another launch into run_dir is refused while the lease is live, and takes it
+    over once it is this old, or at once when its process is seen gone on the same host (docs/run_dir.md)."""
 
 
 WANDB_INSTALL = "pip install 'mimpipe[wandb]'"
@@ -396,7 +400,7 @@ class Config(Section):
     engine: EngineConfig = EngineConfig()
     """DeepSpeed (ZeRO stage, precision, offload), device and numerical-fault handling."""
     checkpoint: CheckpointConfig = CheckpointConfig()
-    """How often checkpoints are saved, how many are kept, and the export at the end."""
+    """How often checkpoints are saved, how many are kept, the export at the end, and the run_dir's lease."""
     logging: LoggingConfig = LoggingConfig()
     """How often scalars and pictures are logged."""
     eval: EvalConfig = EvalConfig()

@@ -54,7 +54,8 @@ class ModelConfig(Section):
     the init export's `pooling_hint` (else the cls token). Pretraining always uses the cls-token layout."""
     init: str | None = None
     """Weights to start from: our export folder, an official MAE/DeiT checkpoint, a timm state dict
-    (.pth/.bin/.safetensors); see core/export/handoff.py. Pretraining continues from them (warm start: the encoder,
+    (.pth/.bin/.safetensors), or a Hub repo `hf-hub:ORG/NAME[@REVISION]` (read through the Hugging Face cache;
+    HF_HUB_OFFLINE=1 honoured); see core/export/handoff.py. Pretraining continues from them (warm start: the encoder,
     and the decoder when the file holds one in MAE's layout; pretrain/warm_start.py)."""
     trust_checkpoint: bool = False
     """Allow unpickling non-tensor objects from `init` (official MAE checkpoints carry argparse args). Only for files

@@ -40,7 +40,24 @@ def test_zero2_run_logs_checkpoints_and_exports(zero2_run, monkeypatch):
     exported = load_file(str(run_dir / "export" / "model.safetensors"))
     assert set(model.state_dict()) == set(exported)
     assert model.patch_embed.grid_size == (4, 4) and model.embed_dim == 32
-    assert json.loads((run_dir / "export" / "mimpipe.json").read_text())["step"] == 6
+    manifest = json.loads((run_dir / "export" / "mimpipe.json").read_text())
+    assert manifest["step"] == 6
+
+    # The tests' shards are synthetic images: the plan, TensorBoard, the stage's end, the manifest and the card say so
+    said = "SYNTHETIC images: these numbers say nothing about the method"
+    assert f"[mimpipe] data.train holds {said} (its index.json: source synthetic)" in output
+    assert f"[mimpipe] this run trained on {said}" in output.split("[mimpipe] TensorBoard: ")[-1]  # at the end
+    assert (
+        manifest["synthetic_data"] is True
+        and f"**Trained on {said}**" in (run_dir / "export" / "README.md").read_text()
+    )
+    texts = [
+        value.tag
+        for events in (run_dir / "tb").glob("events.out.tfevents.*")
+        for event in EventFileLoader(str(events)).Load()
+        for value in event.summary.value
+    ]
+    assert "data/synthetic/text_summary" in texts
 
 
 def test_export_from_zero2_checkpoint_at_an_earlier_step(zero2_run, tmp_path):

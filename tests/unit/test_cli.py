@@ -21,7 +21,7 @@ def mimpipe(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_every_command_and_launch_sh():
     proc = mimpipe("--help")
     assert proc.returncode == 0
-    for command in ("pretrain", "finetune", "data", "export", "python -m pretrain export", "./launch.sh"):
+    for command in ("pretrain", "finetune", "data", "export", "python -m pretrain export", "status", "./launch.sh"):
         assert command in proc.stdout
 
 
@@ -29,7 +29,8 @@ def test_unknown_command_is_one_line_and_exit_2():
     proc = mimpipe("pretrian", "recipes/quickstart.yaml")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
-        "mimpipe: unknown command 'pretrian' (choose from pretrain, finetune, data, export; mimpipe --help)"
+        "mimpipe: unknown command 'pretrian' (choose from pretrain, finetune, data, export, evaluate, "
+        "status; mimpipe --help)"
     ]
 
 
@@ -44,6 +45,8 @@ def test_unknown_command_is_one_line_and_exit_2():
         ),
         (["data", "inspect", "/shards", "--num-show", "2"], "data", ["inspect", "/shards", "--num-show", "2"]),
         (["export", "runs/x", "--step", "3"], "pretrain", ["export", "runs/x", "--step", "3"]),
+        (["evaluate", "runs/x/export", "--out", "r"], "finetune", ["evaluate", "runs/x/export", "--out", "r"]),
+        (["status", "runs/x", "--json"], "core.entry.status", ["runs/x", "--json"]),
     ],
 )
 def test_each_command_runs_its_module_as_main_with_the_arguments_unchanged(argv, module, module_argv, monkeypatch):

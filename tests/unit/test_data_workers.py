@@ -1,6 +1,6 @@
 """DataLoader workers (data/workers.py, data/worker_process.py): started by the fork server with SIGTERM blocked,
-deaf to a SIGTERM that is not their rank's, gone when their rank dies (kill -9 included), and a stuck one is a
-one-line error naming it.
+deaf to a SIGTERM that is not their rank's and to Ctrl-C, gone when their rank dies (kill -9 included), and a stuck
+one is a one-line error naming it.
 
 Loaders are `make_eval_loader`s over small synthetic shards; the transforms below are module-level classes, so that
 they pickle to the workers."""
@@ -87,6 +87,18 @@ def test_a_foreign_sigterm_leaves_the_worker_running(shards):
     subprocess.run(["kill", "-TERM", str(worker)], check=True)  # from another process, as killpg or SLURM would
     rest = list(batches)
     assert sum(len(b["key"]) for b in [first, *rest]) == 64  # the worker went on to the end
+    assert {int(p) for b in rest for p in b["pid"]} == {worker}
+
+
+def test_ctrl_c_leaves_the_worker_running(shards):
+    """A terminal's Ctrl-C reaches every process of its foreground group, torchrun's every process of a rank's group:
+    the rank decides (it saves first, core/engine/preempt.py), its worker serves on."""
+    batches = iter(_loader(shards, WhereAmI(), num_workers=1))
+    first = next(batches)
+    worker = int(first["pid"][0])
+    subprocess.run(["kill", "-INT", str(worker)], check=True)
+    rest = list(batches)
+    assert sum(len(b["key"]) for b in [first, *rest]) == 64
     assert {int(p) for b in rest for p in b["pid"]} == {worker}
 
 

@@ -125,6 +125,24 @@ def test_waiting_for_a_rank_that_went_away_is_a_quiet_line(tmp_path, capsys):
     )
 
 
+def test_a_peer_gone_after_ctrl_c_is_that_stop_and_says_nothing(capsys, monkeypatch):
+    """A rank still in a collective when its peer stopped at once on a second Ctrl-C: the peer's line says it."""
+    monkeypatch.setattr(failure, "ctrl_c_received", lambda: True)
+    assert _fail(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")) == 130
+    assert capsys.readouterr().err == ""
+    assert _fail(ValueError("bad")) == failure.EXIT_ERROR  # its own error is still one
+
+
+def test_ctrl_c_outside_the_loop_is_one_line_from_rank_0_and_exit_130(capsys, monkeypatch):
+    def main() -> int:
+        raise KeyboardInterrupt
+
+    assert failure.run_guarded(main) == 130 and capsys.readouterr().err == ""  # rank 1: quiet
+    monkeypatch.setenv("RANK", "0")
+    assert failure.run_guarded(main) == 130
+    assert capsys.readouterr().err.startswith("[mimpipe] stopped by Ctrl-C outside the training loop, nothing saved;")
+
+
 def test_nccl_aborts_its_communicators_and_lets_the_rank_raise_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     nccl_error_handling()

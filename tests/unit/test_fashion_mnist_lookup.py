@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from torchvision.datasets import FashionMNIST
 
+from core.recipe.sections import TrainSource
 from data import fashion_mnist, quickstart
 from data.__main__ import main as data_main
 from data.fashion_mnist import FILES, find
 from data.quickstart import write_quickstart
-from data.specs import read_index
+from data.specs import is_synthetic, read_index
 from tests.unit.test_data_write import _read_tar
 
 SIZES = {"train": 30, "test": 12}
@@ -145,3 +146,14 @@ def test_the_quickstart_falls_back_to_synthetic_images_loudly_then_takes_the_rea
     assert write_quickstart(out, None, data_main) == "fashion-mnist"
     assert [read_index(str(out / s))["num_samples"] for s in ("train", "test")] == [SIZES["train"], SIZES["test"]]
     assert write_quickstart(out, None, data_main) == "fashion-mnist"  # written already: kept
+
+
+def test_synthetic_shards_are_told_apart_by_their_index(mirror, tmp_path):
+    synthetic, real = tmp_path / "synthetic", tmp_path / "real"
+    data_main(["write", "--source", "synthetic", "--num-samples", "8", "--out", str(synthetic), "--shard-size", "4"])
+    data_main(["write", "--source", "fashion-mnist", "--split", "test", "--path", str(mirror), "--out", str(real)])
+    assert is_synthetic(str(synthetic)) and is_synthetic(str(synthetic / "train-000000.tar"))
+    assert not is_synthetic(str(real)) and not is_synthetic("https://example.com/shards/{0..3}.tar")
+    mixture = [TrainSource(shards=str(real), weight=3.0), TrainSource(shards=str(synthetic), weight=1.0)]
+    assert is_synthetic(mixture) and is_synthetic([source.model_dump() for source in mixture])  # a config.yaml's
+    assert not is_synthetic([TrainSource(shards=str(real), weight=1.0)])

@@ -1,5 +1,6 @@
 """SIGTERM during an evaluation, the kNN pass or a save (core/engine/preempt.py): the pass stops on every rank at
-once, a save in progress finishes, and the loop ends with that step's checkpoint and `EXIT_PREEMPTED`.
+once, a save in progress finishes, and the loop ends with that step's checkpoint and `EXIT_PREEMPTED`. Ctrl-C (SIGINT)
+the same, with `EXIT_INTERRUPTED`; a second one ends the process at once with one line.
 
 The signal is real (sent to this process); the other rank of a two-rank run is an all-reduce that says what it
 received. Loop recipe: defaults with a toy objective through `parallelize` (one gloo rank), as tests/unit/
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,17 +31,27 @@ from core.recipe.config import dump_config, load_config
 from core.report.logging import MetricsLogger
 from data.pipeline import zero_counts
 from tests.helpers.models import tiny_vit
-from tests.launching import read_metrics
+from tests.launching import REPO, read_metrics
 from tests.unit.test_evaluate import DIST, EchoEngine, one_hot_batch
 from tests.unit.test_host_syncs import Toy
 
 
 @pytest.fixture
-def watching():
-    """SIGTERM handled as a run handles it, for the test's duration."""
+def watching(ctrl_c_put_back):
+    """SIGTERM and SIGINT handled as a run handles them, for the test's duration."""
     preempt.install()
     yield
     preempt.restore()
+
+
+@pytest.fixture
+def ctrl_c_put_back(monkeypatch):
+    """After a test that sends SIGINT: the test process's own SIGINT handler back, and no Ctrl-C on record (a run
+    keeps both after a Ctrl-C, see `preempt.restore`; the next test in this process is no run stopped by one)."""
+    handler = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(preempt._Watch, "ctrl_c", preempt._Watch.ctrl_c)  # put back at teardown
+    yield
+    signal.signal(signal.SIGINT, handler)
 
 
 def _sigterm_self() -> None:
@@ -152,3 +165,60 @@ def test_sigterm_during_a_save_ends_the_run_with_that_checkpoint(one_rank, tmp_p
     assert code == preempt.EXIT_PREEMPTED
     assert (checkpoints / "latest").read_text() == "step_00000003"
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000003"]
+
+
+def test_ctrl_c_during_a_save_ends_the_run_with_that_checkpoint_and_exit_130(
+    one_rank, tmp_path, monkeypatch, capsys, ctrl_c_put_back
+):
+    """As a SIGTERM: the save of step 3 under way completes and the run stops with it, exit code 130 and one line
+    naming the step and the checkpoint; SIGINT keeps the run's handler after the loop (the process is on its way out,
+    and a second Ctrl-C must still stop it at once)."""
+    real_save = loop_module.save_checkpoint
+
+    def save_while_interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "save_checkpoint", save_while_interrupted)
+    code, checkpoints = _run(one_rank, tmp_path, 12, LoopHooks(), "checkpoint.every_steps=3")
+    assert code == preempt.EXIT_INTERRUPTED == 130
+    assert (checkpoints / "latest").read_text() == "step_00000003"
+    line = (
+        f"[mimpipe] stopped by Ctrl-C after step 3 of 12 with checkpoint {checkpoints / 'step_00000003'}; launch the "
+        "same command again to resume from it (exit code 130)"
+    )
+    assert line in capsys.readouterr().out.splitlines()
+    assert signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, signal.SIG_DFL, signal.SIG_IGN)
+
+
+def test_a_sigterm_after_ctrl_c_confirms_the_stop_and_keeps_it_ctrl_cs(watching):
+    """torchrun's agent SIGTERMs the ranks still running once one has exited: that is no second Ctrl-C."""
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert preempt.stop_requested() and preempt.ctrl_c_received()  # and this process still runs
+
+
+SECOND_CTRL_C = """
+import os, signal, sys, time
+from core.engine import preempt
+preempt.install()
+os.kill(os.getpid(), signal.SIGINT)
+print("saving", flush=True)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(60)  # a save that would take a minute
+print("saved", flush=True)
+"""
+
+
+def test_a_second_ctrl_c_stops_at_once_with_one_line_and_exit_130():
+    start = time.monotonic()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "0", "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], env=env, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - start < 30  # not the minute of the save
+    assert proc.returncode == 130 and proc.stdout == "saving\n"
+    assert proc.stderr.splitlines() == [
+        "[mimpipe] rank 0: Ctrl-C received; stopping after the current step with a checkpoint (Ctrl-C again: stop at "
+        "once, without saving)",
+        "[mimpipe] stopped by a second Ctrl-C, at once and without saving; launch the same command again to resume "
+        "from the last complete checkpoint, the one checkpoints/latest names (exit code 130)",
+    ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import yaml
 from core.engine.precision import resolve_precision
 from core.entry.launch_check import main as launch_check
 from core.launch.disk import checkpoint_room
+from core.launch.lease import LEASE_FILE, Lease
 from core.launch.rundir import mark_finished
 from core.recipe.config import dump_config, load_config
 from data.__main__ import main as data_main
@@ -289,3 +291,29 @@ def test_relaunch_into_a_run_of_another_config_or_a_finished_run(capsys, tmp_pat
     assert f"[mimpipe] {tmp_path}/run holds a finished run (step 4, checkpoints/step_00000004, exported)" in out.err
     code, lines, printed = check(capsys, recipe, "schedule.steps=8")  # a longer schedule continues it
     assert code == 0 and printed.startswith("finetune\n") and "finished run" not in printed, printed
+
+
+def test_a_run_dir_another_live_launch_holds_is_refused_unless_taken_over(capsys, tmp_path, shards):
+    recipe = finetune_recipe(tmp_path, shards)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    now = time.time()
+    live = Lease("node-x", 4242, "777", now - 60, now - 3, 300.0, "finetune", "/r/ft.yaml", "a" * 32)
+    (run_dir / LEASE_FILE).write_bytes(live.encode())
+    code, lines, printed = check(capsys, recipe)
+    assert code == 2 and lines == [
+        f"launch.sh: run_dir: {run_dir} is in use by host node-x pid 4242 (SLURM job 777) since "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now - 60))}, last heartbeat 3 s ago; wait for it to end "
+        "(a launch silent for 300 s is taken over), pass run_dir=NEW_DIR to start a new run, or --take-over-run-dir "
+        "if you know it is gone"
+    ], printed
+    code, lines, printed = check(capsys, recipe, "--take-over-run-dir")
+    assert code == 0 and lines == [], printed
+    # Node 1 of two leaves it to node 0 (which refuses), and rank 0 decides at the stage's start
+    assert launch_check([str(recipe), "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1"]) == 0
+    assert launch_check([str(recipe), "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1"]) == 2
+    capsys.readouterr()
+    stale = Lease("node-x", 4242, "777", now - 900, now - 301, 300.0, "finetune", "/r/ft.yaml", "a" * 32)
+    (run_dir / LEASE_FILE).write_bytes(stale.encode())
+    code, lines, printed = check(capsys, recipe)  # the stage takes it over, with a warning
+    assert code == 0 and lines == [], printed
