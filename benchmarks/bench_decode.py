@@ -37,6 +37,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 from benchmarks import bench_data
 from benchmarks.bench_data import SIZE, build_dataset, children_cpu_seconds, imagenet_like_jpeg, per_image_ms
+from benchmarks.workers import replace_section
 from data.device_decode import decode_crops, stack_images
 from data.pipeline import make_train_loader
 from data.transforms import IMAGENET_MEAN, IMAGENET_STD, pretrain_transform
@@ -215,16 +216,6 @@ def report(args, device, info, loads, sizes: dict, loaders: dict) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
-    """Puts `text` (from BEGIN to END) into `path`, in place of an earlier one, else at the end."""
-    old = path.read_text() if path.is_file() else ""
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + text + old[old.index(END) + len(END) :]
-    else:
-        new = (old.rstrip("\n") + "\n\n" if old else "") + text + "\n"
-    path.write_text(new)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="where the device side runs: cpu, cuda")
@@ -262,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     print(loaders, flush=True)
     text = report(args, device, info, (load_before, os.getloadavg()[0]), sizes, loaders)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_section(args.out, text)
+    replace_section(args.out, text, BEGIN, END)
     print(text)
     return 0
 

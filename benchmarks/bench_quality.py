@@ -41,8 +41,8 @@ from benchmarks.quality_report import (
 )
 from benchmarks.smoke_measure import launch
 from benchmarks.workers import arms_header, write_result
-from core.launch.rundir import flatten
 from core.recipe.config import load_config
+from core.recipe.tree import flatten
 from data.subset import write_per_class_subset
 
 REPO = Path(__file__).resolve().parents[1]

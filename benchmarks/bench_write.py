@@ -41,7 +41,7 @@ from PIL import features
 from torchvision import transforms as T
 
 from benchmarks import bench_data
-from benchmarks.workers import run_worker
+from benchmarks.workers import replace_section, run_worker
 from data.__main__ import main as data_main
 from data.transforms import IMAGENET_MEAN, IMAGENET_STD, pretrain_transform
 from data.write import DEFAULT_JPEG_QUALITY, encode_image
@@ -285,16 +285,6 @@ def section(
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
-    """Puts `text` (from BEGIN to END) into `path`, in place of an earlier one, else at the end."""
-    old = path.read_text() if path.is_file() else ""
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + text + old[old.index(END) + len(END) :]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(new)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=2048, help="JPEGs (bench_data's; its cached tree is reused)")
@@ -332,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = profile_sides(args.data_dir, args.profile_images)
     minutes = (time.perf_counter() - start) / 60
     text = section(args, info, (load_before, os.getloadavg()[0]), minutes, written, read, profile)
-    write_section(args.out, text)
+    replace_section(args.out, text, BEGIN, END)
     print(text)
     return 0
 

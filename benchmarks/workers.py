@@ -82,3 +82,14 @@ def extract_tree(rev: str, scratch: Path) -> Path:
         product = [member for member in tar.getmembers() if member.name.split("/")[0] != "benchmarks"]
         tar.extractall(root, members=product, filter="data")
     return root
+
+
+def replace_section(path: Path, text: str, begin: str, end: str) -> None:
+    """Put `text` (a section from the line `begin` to the line `end`) into the results file `path`, in place of an
+    earlier one, else at the end: benchmarks that share a results file each keep their own section."""
+    old = path.read_text() if path.is_file() else ""
+    if begin in old and end in old:
+        new = old[: old.index(begin)] + text + old[old.index(end) + len(end) :]
+    else:
+        new = (old.rstrip("\n") + "\n\n" if old else "") + text + "\n"
+    path.write_text(new)

@@ -1,23 +1,25 @@
-"""benchmarks/bench_decode.py's own logic: its section of the results file replaced in place, and the device step
-timed on batches larger than the images generated."""
+"""benchmarks/bench_decode.py's own logic: its section of the results file replaced in place (benchmarks/workers.py
+`replace_section`, which bench_write shares), and the device step timed on batches larger than the images
+generated."""
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks.bench_decode import BEGIN, END, device_rates, jpegs_of_size, write_section
+from benchmarks.bench_decode import BEGIN, END, device_rates, jpegs_of_size
+from benchmarks.workers import replace_section
 
 
 def test_the_section_is_appended_once_then_replaced_in_place(tmp_path):
     path = tmp_path / "data.md"
     path.write_text("# Data path\n\ntable\n")
-    write_section(path, f"{BEGIN}\nfirst\n{END}")
+    replace_section(path, f"{BEGIN}\nfirst\n{END}", BEGIN, END)
     path.write_text(path.read_text() + "\n<!-- another: begin -->\nkept\n")
-    write_section(path, f"{BEGIN}\nsecond\n{END}")
+    replace_section(path, f"{BEGIN}\nsecond\n{END}", BEGIN, END)
     text = path.read_text()
     assert text.startswith("# Data path\n\ntable\n") and "first" not in text and text.count(BEGIN) == 1
     assert text.index("second") < text.index("kept")
-    write_section(tmp_path / "new.md", f"{BEGIN}\nonly\n{END}")
+    replace_section(tmp_path / "new.md", f"{BEGIN}\nonly\n{END}", BEGIN, END)
     assert (tmp_path / "new.md").read_text() == f"{BEGIN}\nonly\n{END}\n"
 
 

@@ -1,20 +1,7 @@
-"""bench_write's own logic: its section of results/data.md, its write table and the crop statistics it reports."""
+"""bench_write's own logic: its write table and the crop statistics it reports."""
 
 from benchmarks import bench_write
-from benchmarks.bench_write import BEGIN, END, crop_stats, imagenet_estimate, write_section, write_table
-
-
-def test_the_section_replaces_an_earlier_one_and_keeps_the_rest(tmp_path):
-    path = tmp_path / "data.md"
-    path.write_text("# Data path\n\ntables\n")
-    write_section(path, f"{BEGIN}\nfirst\n{END}")
-    assert path.read_text() == f"# Data path\n\ntables\n\n{BEGIN}\nfirst\n{END}\n"
-    path.write_text(path.read_text() + "\n<!-- bench_decode: begin -->\nother\n<!-- bench_decode: end -->\n")
-    write_section(path, f"{BEGIN}\nsecond\n{END}")
-    assert path.read_text() == (
-        f"# Data path\n\ntables\n\n{BEGIN}\nsecond\n{END}\n\n<!-- bench_decode: begin -->\nother\n"
-        "<!-- bench_decode: end -->\n"
-    )
+from benchmarks.bench_write import crop_stats, imagenet_estimate, write_table
 
 
 def test_write_table_and_imagenet_estimate_from_timings():

@@ -27,6 +27,7 @@ from benchmarks.smoke_recipes import (
 )
 from core.models.pos_embed import sincos_pos_embed_2d
 from core.recipe.config import load_config
+from core.recipe.tree import flatten
 
 pytestmark = pytest.mark.dist
 
@@ -86,13 +87,6 @@ def test_every_published_recipe_runs_in_some_chain():
     assert all(stages == CHAINS[name][: len(stages)] for name, stages in CI_CHAINS.items())
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        out |= _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
-    return out
-
-
 @pytest.mark.parametrize("name", CHAINS)
 def test_each_stage_overrides_only_data_length_batch_workers_logging_and_its_hand_off(name, tmp_path):
     shards = {split: tmp_path / split for split in ("train", "val", "seg_train", "seg_val")}
@@ -104,7 +98,7 @@ def test_each_stage_overrides_only_data_length_batch_workers_logging_and_its_han
         cfg = load_config(recipe, stage_overrides(stage, own, tmp_path / stage.recipe, shards, exports, batch=2))
         assert cfg.steps(samples_per_epoch=None) == (2, 1) and cfg.data.global_batch_size == 2
         hand_off = {key for key, _ in stage.takes} | {s.split("=")[0] for s in stage.settings}
-        before, after = _flat(own.model_dump(mode="json")), _flat(cfg.model_dump(mode="json"))
+        before, after = flatten(own.model_dump(mode="json")), flatten(cfg.model_dump(mode="json"))
         changed = {key for key in before if before[key] != after[key] and not key.startswith("schedule.")}
         assert changed <= allowed | hand_off, (stage.recipe, changed - allowed - hand_off)
         for key, source in stage.takes:

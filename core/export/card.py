@@ -32,6 +32,7 @@ from core.engine.ckpt_files import fsync_path
 from core.export.card_facts import MONITORS, DataSource, RunFacts
 from core.export.manifest import MANIFEST_NAME
 from core.export.read import read_json
+from core.recipe.tree import flatten
 from data.quickstart import SYNTHETIC_WARNING
 
 CARD_NAME = "README.md"
@@ -199,7 +200,7 @@ def training_section(manifest: dict, run: dict, recipe: dict, facts: RunFacts | 
     if manifest.get("synthetic_data") or run.get("synthetic_data"):
         lines.append(f"- **Trained on {SYNTHETIC_WARNING}** (the quickstart's fallback without Fashion-MNIST)")
     objective = recipe.get("objective") or {}
-    settings = ", ".join(f"{k} {_value(v)}" for k, v in _flat(objective).items() if k != "kind")
+    settings = ", ".join(f"{k} {_value(v)}" for k, v in flatten(objective).items() if k != "kind")
     lines.append(f"- Objective: `{objective.get('kind')}`" + (f" ({settings})" if settings else ""))
     init = (recipe.get("model") or {}).get("init")
     lines.append(f"- Started from: `{init}`" if init else "- Started from: random initialisation")
@@ -250,16 +251,6 @@ def recipe_section(recipe: dict) -> str:
 
 def files_section(files: list[str]) -> str:
     return "\n".join(f"- `{name}`: {FILES[name]}" if name in FILES else f"- `{name}`" for name in sorted(files))
-
-
-def _flat(section: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in section.items():
-        if isinstance(value, dict):
-            flat |= _flat(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _recipe_sources(recipe: dict) -> list[DataSource]:

@@ -21,6 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from core.recipe.config import Config
+from core.recipe.tree import flatten
 
 ALLOW_FLAG = "--allow-config-change"
 """The launch.sh / entry point flag that resumes a run_dir whatever its checkpoint's config says."""
@@ -230,17 +231,6 @@ def keep_launch_config(run_dir: str | Path, config_yaml: str) -> Path:
             return path
         except FileExistsError:
             number += 1
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """A nested config as dotted keys; lists stay values."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat |= flatten(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _show(value: Any, limit: int = 60) -> str:

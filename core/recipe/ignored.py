@@ -9,9 +9,9 @@ that stage, and the cross-checks in core/recipe/config.py refuse the combination
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel
+
+from core.recipe.tree import flatten
 
 IGNORED: dict[str, dict[str, str]] = {
     "pretrain": {
@@ -71,15 +71,8 @@ def _changed(config: BaseModel, dotted: str) -> str | None:
         section = getattr(section, part)
     value = getattr(section, name)
     if isinstance(value, BaseModel):
-        default = _flat(type(value)().model_dump(mode="json"))
+        default = flatten(type(value)().model_dump(mode="json"))
         return next(
-            (f"{dotted}.{k}" for k, v in _flat(value.model_dump(mode="json")).items() if default.get(k) != v), None
+            (f"{dotted}.{k}" for k, v in flatten(value.model_dump(mode="json")).items() if default.get(k) != v), None
         )
     return dotted if value != getattr(type(section)(), name) else None
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        out |= _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
-    return out

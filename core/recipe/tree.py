@@ -12,6 +12,17 @@ import yaml
 from core.recipe.errors import ConfigError
 
 
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys (`engine.zero_stage`); lists stay values."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def recipe_tree(recipe: str | Path | None, overrides: list[str] = ()) -> dict[str, Any]:
     """The recipe (with its parent) and the overrides as one tree; {} plus the overrides without a recipe."""
     tree: dict[str, Any] = {}

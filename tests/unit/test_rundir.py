@@ -15,12 +15,12 @@ from core.launch.rundir import (
     ALLOW_FLAG,
     MAY_CHANGE,
     config_changes,
-    flatten,
     keep_launch_config,
     mark_finished,
     relaunch,
 )
 from core.recipe.config import dump_config, load_config
+from core.recipe.tree import flatten
 from core.report.logging import MetricsLogger, cut_metrics
 
 
