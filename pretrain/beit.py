@@ -49,9 +49,9 @@ class MaskedPatchPrediction(nn.Module):
     """Predict a target for every masked patch from an encoder that sees all patches.
 
     Args:
-        encoder: timm ViT (plain or hybrid) with a class token, no register tokens and no head, or a T2T-ViT
-            without head; the mask applies to its token grid (patches, the hybrid's feature-map patches, T2T's
-            tokens after the soft splits).
+        encoder: timm ViT (plain or hybrid) with a class token and no head (register tokens allowed: prefix tokens,
+            never masked nor predicted), or a T2T-ViT without head; the mask applies to its token grid (patches,
+            the hybrid's feature-map patches, T2T's tokens after the soft splits).
         target: A module from pretrain/targets.py: maps the batch to per-patch targets and says `num_classes`
             (0 = regression) and `num_outputs` (predictions per patch).
         num_masked: Patches every mask selects (M; `num_masked` of the recipe's mask generator).
@@ -130,7 +130,8 @@ class MaskedPatchPrediction(nn.Module):
         return order[:, : self.num_masked]
 
     def forward_encoder(self, imgs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) images and (B, L) selection -> (B, 1 + L, D) encoder output over all patches."""
+        """(B, C, H, W) images and (B, L) selection -> (B, P + L, D) encoder output (P prefix tokens: class,
+        registers)."""
         x = self.corrupt(embed_tokens(self.encoder, imgs), mask) + patch_positions(self.encoder)  # (B, L, D)
         return forward_encoder(self.encoder, x)
 
@@ -167,8 +168,9 @@ class MaskedPatchPrediction(nn.Module):
         positions = self.selected_positions(mask)  # (B, M)
         with torch.no_grad():
             target = _take(self.target(batch), positions)  # (N,) / (N, O) / (N, P)
-        latent = self.forward_encoder(batch["image"], mask)  # (B, 1 + L, D)
-        pred = self.head(_take(latent[:, 1:], positions))  # (N, O * K): the head runs on the selected patches only
+        latent = self.forward_encoder(batch["image"], mask)  # (B, P + L, D)
+        patches = latent[:, self.encoder.num_prefix_tokens :]  # (B, L, D): the prefix tokens are never predicted
+        pred = self.head(_take(patches, positions))  # (N, O * K): the head runs on the selected patches only
         loss, accuracy = self.forward_loss(pred, target)
         out = {"loss": loss, "mask": mask, "pred": pred, "target": target}
         if accuracy is not None:

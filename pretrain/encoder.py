@@ -2,8 +2,13 @@
 layout they rely on, the token grid before the position embedding, and the pass from tokens the objective has
 already changed (MAE drops the masked ones, BEiT-style prediction and SimMIM corrupt them) to the encoder's output.
 
+The encoder's prefix tokens (P: the class token, then timm's register tokens, `model.reg_tokens`) go in front of
+the patch tokens with their own positions, as timm's `_pos_embed` puts them: never masked, and the objectives decode
+only the patch tokens after them.
+
 Shape legend:
     B: batch    L': patch tokens the objective passes (all L patches, or the visible ones)    D: encoder width
+    P: prefix tokens (1 + register tokens)
 """
 
 import torch
@@ -14,9 +19,9 @@ from core.models.t2t_vit import T2TViT
 
 
 def check_encoder(encoder: VisionTransformer | T2TViT, objective: str, *, token_pool: bool = False) -> None:
-    """Raises ValueError, naming `objective` and every problem, unless the encoder has a class token, no register
-    tokens, no head and a fixed-size position embedding that covers the class token (`forward_encoder` relies on
-    all of them); with `token_pool`, global_pool must also be 'token'. A T2T-ViT always has that layout."""
+    """Raises ValueError, naming `objective` and every problem, unless the encoder has a class token, no head and a
+    fixed-size position embedding that covers the prefix tokens (class and register tokens: `forward_encoder` relies
+    on all of them); with `token_pool`, global_pool must also be 'token'. A T2T-ViT always has that layout."""
     if isinstance(encoder, T2TViT):
         if encoder.num_classes:
             raise ValueError(f"{objective} encoder: num_classes must be 0, got {encoder.num_classes}")
@@ -26,14 +31,14 @@ def check_encoder(encoder: VisionTransformer | T2TViT, objective: str, *, token_
     problems = []
     if not encoder.has_class_token:
         problems.append("class_token must be True")
-    if encoder.num_reg_tokens:
-        problems.append(f"reg_tokens must be 0, got {encoder.num_reg_tokens}")
     if token_pool and encoder.global_pool != "token":
         problems.append(f"global_pool must be 'token', got {encoder.global_pool!r}")
     if encoder.num_classes:
         problems.append(f"num_classes must be 0, got {encoder.num_classes}")
     if encoder.pos_embed is None or encoder.no_embed_class:
-        problems.append("needs a learnable pos_embed that covers the class token (pos_embed='learn', no_embed_class)")
+        problems.append(
+            "needs a learnable pos_embed that covers the prefix tokens (pos_embed='learn', no_embed_class False)"
+        )
     if encoder.dynamic_img_size:
         problems.append("dynamic_img_size must be False")
     if problems:
@@ -54,22 +59,29 @@ def token_grid(encoder: VisionTransformer | T2TViT) -> tuple[int, int]:
 
 
 def patch_positions(encoder: VisionTransformer) -> torch.Tensor:
-    """(1, L, D) position embedding of the patches (the class token's left out)."""
+    """(1, L, D) position embedding of the patches (the prefix tokens' left out)."""
     return encoder.pos_embed[:, encoder.num_prefix_tokens :]
 
 
+def prefix_tokens(encoder: VisionTransformer | T2TViT) -> torch.Tensor:
+    """(1, P, D) the class token, then the register tokens, each with its position added (timm's order)."""
+    registers = getattr(encoder, "reg_token", None)  # (1, R, D); None without registers, and on T2T-ViT
+    tokens = encoder.cls_token if registers is None else torch.cat([encoder.cls_token, registers], dim=1)
+    return tokens + encoder.pos_embed[:, : encoder.num_prefix_tokens]
+
+
 def forward_encoder(encoder: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
-    """Runs the timm encoder's own modules on the class token plus the given patch tokens.
+    """Runs the timm encoder's own modules on the prefix tokens (class, registers) plus the given patch tokens.
 
     Args:
         encoder: A ViT that passed `check_encoder`.
         x: (B, L', D) patch tokens, position embedding (`patch_positions`) added.
 
     Returns:
-        (B, 1 + L', D) the final norm's output, class token first.
+        (B, P + L', D) the final norm's output, class token first, then the registers, then the patches.
     """
-    cls_token = encoder.cls_token + encoder.pos_embed[:, : encoder.num_prefix_tokens]  # (1, 1, D)
-    x = torch.cat([cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, 1 + L', D)
+    prefix = prefix_tokens(encoder)  # (1, P, D)
+    x = torch.cat([prefix.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, P + L', D)
     x = encoder.pos_drop(x)
     if isinstance(encoder, VisionTransformer):  # T2T-ViT has no pre-norm and no gradient checkpointing
         x = encoder.norm_pre(x)

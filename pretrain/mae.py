@@ -2,12 +2,15 @@
 
 The encoder keeps timm's structure and parameter names, so its state_dict loads strictly into a fresh timm model;
 this module adds the random masking, a light transformer decoder and the pixel reconstruction loss. The encoder's
-position embedding is overwritten with fixed 2-D sin-cos values and frozen for pretraining.
+position embedding is overwritten with fixed 2-D sin-cos values and frozen for pretraining. Register tokens
+(`model.reg_tokens`) are prefix tokens like the class token: never masked, passed through the decoder beside it,
+never predicted.
 
 Shape legend:
     B: batch    C: image channels    H, W: image height, width    ph, pw: patch height, width
     gh, gw: patch grid (H / ph, W / pw)    L: gh * gw patches    L_vis: visible (kept) patches
     D: encoder width    Dd: decoder width    P: ph * pw * C pixels per patch
+    T: prefix tokens (the class token, then the register tokens)
 """
 
 from collections.abc import Sequence
@@ -76,7 +79,7 @@ class MAE(nn.Module):
         """Wraps `encoder` and builds the decoder.
 
         Args:
-            encoder: timm ViT with a class token, no register tokens, 'token' pooling and no head.
+            encoder: timm ViT with a class token, 'token' pooling and no head (register tokens allowed).
             mask_ratio: Fraction of patches hidden from the encoder.
             norm_pix_loss: Regress per-patch standardised pixels instead of raw (normalised-image) pixels.
             decoder_embed_dim: Decoder width Dd.
@@ -97,13 +100,16 @@ class MAE(nn.Module):
         self.norm_pix_loss = norm_pix_loss
         self.patch_size: tuple[int, int] = tuple(encoder.patch_embed.patch_size)
         self.grid_size: tuple[int, int] = tuple(encoder.patch_embed.grid_size)
+        self.num_prefix = encoder.num_prefix_tokens  # T: the class token and the register tokens
         in_chans = encoder.patch_embed.proj.in_channels
 
         self.decoder_embed = nn.Linear(encoder.embed_dim, decoder_embed_dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_embed_dim))
         # Fixed, recomputed from the grid at construction, so it is kept out of the state_dict.
         self.register_buffer(
-            "decoder_pos_embed", sincos_pos_embed_2d(decoder_embed_dim, self.grid_size), persistent=False
+            "decoder_pos_embed",
+            sincos_pos_embed_2d(decoder_embed_dim, self.grid_size, self.num_prefix),  # (1, T + L, Dd), prefix zeros
+            persistent=False,
         )
         norm_layer = partial(nn.LayerNorm, eps=1e-6)
         self.decoder_blocks = nn.Sequential(
@@ -120,7 +126,7 @@ class MAE(nn.Module):
     def init_weights(self) -> None:
         """MAE's initialisation, in this order (it fixes which random numbers each tensor draws): xavier Linear and
         unit LayerNorms, then the xavier patch embedding, the fixed (frozen) sin-cos encoder pos_embed and N(0, 0.02)
-        tokens.
+        tokens (class, registers, mask).
 
         Module by module through `apply`, each call setting only that module's own parameters: the form in which a
         ZeRO-3 build (core/engine/zero_init.py) lends each module its full weights."""
@@ -145,6 +151,8 @@ class MAE(nn.Module):
         elif module is enc:
             enc.pos_embed.copy_(sincos_pos_embed_2d(enc.pos_embed.shape[-1], self.grid_size, enc.num_prefix_tokens))
             nn.init.normal_(enc.cls_token, std=0.02)
+            if enc.reg_token is not None:  # drawn after the class token: an encoder without registers draws as before
+                nn.init.normal_(enc.reg_token, std=0.02)
         elif module is self:
             nn.init.normal_(self.mask_token, std=0.02)
 
@@ -186,14 +194,14 @@ class MAE(nn.Module):
         return x_visible, mask, ids_restore
 
     def forward_encoder(self, imgs: torch.Tensor, mask_ratio: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Runs the timm encoder's own modules on the cls token plus the visible patches only.
+        """Runs the timm encoder's own modules on the prefix tokens plus the visible patches only.
 
         Args:
             imgs: (B, C, H, W) normalised images.
             mask_ratio: Fraction of patches to hide.
 
         Returns:
-            latent (B, 1 + L_vis, D), mask (B, L), ids_restore (B, L).
+            latent (B, T + L_vis, D), mask (B, L), ids_restore (B, L).
         """
         x = self.encoder.patch_embed(imgs) + patch_positions(self.encoder)  # (B, L, D)
         x, mask, ids_restore = self.random_masking(x, mask_ratio)  # (B, L_vis, D)
@@ -203,23 +211,24 @@ class MAE(nn.Module):
         """Fills the masked positions with the mask token, restores image order and predicts every patch.
 
         Args:
-            latent: (B, 1 + L_vis, D) encoder output.
+            latent: (B, T + L_vis, D) encoder output.
             ids_restore: (B, L) from `random_masking`.
 
         Returns:
             pred (B, L, P) pixel predictions (per-patch standardised when norm_pix_loss).
         """
-        x = self.decoder_embed(latent)  # (B, 1 + L_vis, Dd)
+        x = self.decoder_embed(latent)  # (B, T + L_vis, Dd)
         b, num_patches = ids_restore.shape
-        mask_tokens = self.mask_token.expand(b, num_patches + 1 - x.shape[1], -1)  # (B, L - L_vis, Dd)
-        patches = torch.cat([x[:, 1:], mask_tokens], dim=1)  # (B, L, Dd) kept-first order
+        prefix, visible = x[:, : self.num_prefix], x[:, self.num_prefix :]  # (B, T, Dd), (B, L_vis, Dd)
+        mask_tokens = self.mask_token.expand(b, num_patches - visible.shape[1], -1)  # (B, L - L_vis, Dd)
+        patches = torch.cat([visible, mask_tokens], dim=1)  # (B, L, Dd) kept-first order
         patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # image order
         # Casting the parameters to fp16 leaves this fixed buffer fp32: add it in x's dtype
-        x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed.to(x.dtype)  # (B, 1 + L, Dd)
+        x = torch.cat([prefix, patches], dim=1) + self.decoder_pos_embed.to(x.dtype)  # (B, T + L, Dd)
         # engine.activation_checkpointing (the encoder's timm switch, set in core/models/vit.py) covers the decoder too
         x = checkpoint_seq(self.decoder_blocks, x) if self.encoder.grad_checkpointing else self.decoder_blocks(x)
-        x = self.decoder_norm(x)  # (B, 1 + L, Dd)
-        return self.decoder_pred(x)[:, 1:]  # (B, L, P)
+        x = self.decoder_norm(x)  # (B, T + L, Dd)
+        return self.decoder_pred(x)[:, self.num_prefix :]  # (B, L, P): the prefix tokens are never predicted
 
     def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Mean squared error per patch, averaged over the masked patches only; computed in float32.

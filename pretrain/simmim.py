@@ -41,8 +41,9 @@ class SimMIM(nn.Module):
     """Masked image modelling with a mask token at the encoder's input and a linear pixel head.
 
     Args:
-        encoder: timm ViT (plain or hybrid) with a class token, no register tokens and no head, or a T2T-ViT without
-            head. Its image must be exactly its token grid times a whole number of pixels per token.
+        encoder: timm ViT (plain or hybrid) with a class token and no head (register tokens allowed: prefix tokens,
+            never masked nor decoded), or a T2T-ViT without head. Its image must be exactly its token grid times a
+            whole number of pixels per token.
         in_chans: Image channels the head predicts.
     """
 
@@ -73,7 +74,8 @@ class SimMIM(nn.Module):
         return mask.repeat_interleave(self.stride, dim=1).repeat_interleave(self.stride, dim=2).unsqueeze(1)
 
     def forward_encoder(self, imgs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) images and (B, gh, gw) bool mask -> (B, 1 + L, D) encoder output over the whole grid."""
+        """(B, C, H, W) images and (B, gh, gw) bool mask -> (B, P + L, D) encoder output over the whole grid (P
+        prefix tokens: class, registers)."""
         if self.mask_pixels:
             imgs = imgs.masked_fill(self.pixel_mask(mask), 0.0)  # 0 = the dataset mean after normalisation
         tokens = embed_tokens(self.encoder, imgs)  # (B, L, D)
@@ -82,8 +84,9 @@ class SimMIM(nn.Module):
         return forward_encoder(self.encoder, tokens)
 
     def forward_decoder(self, latent: torch.Tensor) -> torch.Tensor:
-        """(B, 1 + L, D) encoder output -> (B, C, H, W) predicted pixels (the class token is not decoded)."""
-        grid_tokens = latent[:, 1:].transpose(1, 2).unflatten(2, self.grid)  # (B, D, gh, gw)
+        """(B, P + L, D) encoder output -> (B, C, H, W) predicted pixels (the prefix tokens are not decoded)."""
+        patches = latent[:, self.encoder.num_prefix_tokens :]  # (B, L, D)
+        grid_tokens = patches.transpose(1, 2).unflatten(2, self.grid)  # (B, D, gh, gw)
         return self.pixel_shuffle(self.decoder(grid_tokens))  # (B, s * s * C, gh, gw) -> (B, C, H, W)
 
     def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -158,6 +158,20 @@ def launch(recipe: Path, *overrides: str, nproc: int = 2, timeout: int = 300, ex
     )
 
 
+def accelerate_launch(
+    recipe: Path, *flags: str, module: str = "pretrain", timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """`accelerate launch FLAGS -m MODULE RECIPE` from the repository, as a user would start the stage instead of
+    ./launch.sh (accelerate's console script beside this Python), with the accelerator of the recipe's pinned device
+    and one thread per process; returns the CompletedProcess (stdout and stderr merged). On timeout the whole run is
+    killed (`run_in_session`)."""
+    device = pinned_device(recipe)
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": device}
+    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", *flags, "-m", module, str(recipe)]
+    return run_in_session(cmd, cwd=REPO, env=env, timeout=timeout, merge_output=True)
+
+
 def torchrun(
     script: str | Path, *args, nproc: int = 2, timeout: int = 300, device: str = "cpu"
 ) -> subprocess.CompletedProcess:
@@ -218,11 +232,18 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def assert_resume_repeats(
-    run_dir: Path, resumed: Path, *, from_step: int, last_step: int, nproc: int = 2, rel: float = 1e-6
+    run_dir: Path,
+    resumed: Path,
+    *,
+    from_step: int,
+    last_step: int,
+    nproc: int = 2,
+    rel: float = 1e-6,
+    launcher: Callable[[Path], subprocess.CompletedProcess] | None = None,
 ) -> None:
     """Copies the finished `run_dir` to `resumed` with its checkpoints after `from_step` removed, launches it again
-    with `nproc` processes and checks that steps from_step+1..last_step give the same losses, to `rel` (a CPU run
-    repeats its bits; tests/gpu states the tolerance a CUDA run keeps)."""
+    with `nproc` processes (`launch`, or `launcher(recipe)`) and checks that steps from_step+1..last_step give the
+    same losses, to `rel` (a CPU run repeats its bits; tests/gpu states the tolerance a CUDA run keeps)."""
     shutil.copytree(run_dir, resumed)
     for later in range(from_step + 1, last_step + 1):
         shutil.rmtree(resumed / "checkpoints" / f"step_{later:08d}", ignore_errors=True)
@@ -230,7 +251,7 @@ def assert_resume_repeats(
     (resumed / "metrics.jsonl").unlink()
     recipe_path = resumed.with_suffix(".yaml")
     recipe_path.write_text((run_dir / "config.yaml").read_text().replace(str(run_dir), str(resumed)))
-    proc = launch(recipe_path, nproc=nproc)
+    proc = launch(recipe_path, nproc=nproc) if launcher is None else launcher(recipe_path)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "resumed from" in proc.stdout and f"at step {from_step}" in proc.stdout
     before, after = losses(run_dir), losses(resumed)

@@ -1,7 +1,9 @@
 """Process-group set-up and the few collectives the loop needs.
 
-torchrun sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; a plain `python -m pretrain` run becomes
-a one-process group on loopback, so every code path is the distributed one.
+torchrun sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (under launch.sh, and `accelerate launch`:
+core/launch/accelerate.py); an MPI launcher's ranks (mpirun, `accelerate launch --cpu --mpirun_hostfile`) read theirs
+from MPI's variables; a plain `python -m pretrain` run becomes a one-process group on loopback, so every code path is
+the distributed one.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import atexit
 import os
 import socket
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from core.launch import gpus
+from core.launch.accelerate import mpi_world
 
 
 @dataclass(frozen=True)
@@ -67,9 +71,7 @@ def init_distributed(device_preference: str, timeout_s: int = 600) -> DistInfo:
     # DeepSpeed picks its accelerator at import time from this variable; set it before the first import.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(world_from_launcher(os.environ))
     import deepspeed
 
     # DeepSpeed's ZeRO still calls this torch collective under its old name; the warning is noise for users.
@@ -87,6 +89,31 @@ def init_distributed(device_preference: str, timeout_s: int = 600) -> DistInfo:
         # active exception", SIGABRT instead of the exit code; 5 of 19 two-rank runs here that skipped it).
         atexit.register(shutdown)
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device)
+
+
+def world_from_launcher(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables a process without torchrun's RANK sets before joining: MPI's ranks (`mpi_world`; MASTER_ADDR
+    and MASTER_PORT must be set, as `accelerate launch --cpu` sets them), else a one-process group on loopback.
+
+    Raises:
+        ValueError: An MPI world of several processes without MASTER_ADDR / MASTER_PORT.
+    """
+    world = mpi_world(env)
+    if world is not None and int(world["WORLD_SIZE"]) > 1:
+        if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+            raise ValueError(
+                f"MPI started {world['WORLD_SIZE']} processes without MASTER_ADDR and MASTER_PORT: set both to rank "
+                "0's host and a free port there (accelerate launch --main_process_ip, --main_process_port)"
+            )
+        return world
+    return {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
+        "MASTER_PORT": env.get("MASTER_PORT") or str(_free_port()),
+    }
 
 
 def nccl_error_handling() -> None:

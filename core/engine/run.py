@@ -31,6 +31,7 @@ from core.engine.setup import parallelize
 from core.engine.stage import StageRun
 from core.engine.train_state import TrainState
 from core.engine.utilisation import device_peak
+from core.launch.accelerate import setting_conflicts
 from core.launch.disk import checkpoint_room
 from core.launch.lease import TAKE_OVER_FLAG, HeldLease, acquire
 from core.launch.rundir import ALLOW_FLAG, Relaunch, keep_launch_config, mark_finished, relaunch
@@ -76,8 +77,9 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
     preempt.install()
     die_with_launcher()
     dist = init_distributed(cfg.engine.device)
-    lease = own_run_dir(cfg, dist, args.recipe, take_over=args.take_over_run_dir)  # before run_dir is read or written
     precision = resolve_precision(cfg, dist.device)  # `auto` made concrete before config.yaml is written
+    launcher_warnings = check_launcher_settings(cfg, dist)
+    lease = own_run_dir(cfg, dist, args.recipe, take_over=args.take_over_run_dir)  # before run_dir is read or written
     if resolve is not None:
         resolve(cfg)
     samples = cfg.data.samples_per_epoch or dataset_size(cfg.data.train)
@@ -97,6 +99,8 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
     )
     for note in notes:
         logger.console(f"[mimpipe] {note}")
+    for warning in launcher_warnings:
+        logger.console(f"[mimpipe] warning: {warning}")
     if precision.warning is not None:
         logger.console(f"[mimpipe] warning: {precision.warning}")
     synthetic = is_synthetic(cfg.data.train)
@@ -125,6 +129,20 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
         synthetic_data=synthetic,
         lease=lease,
     )
+
+
+def check_launcher_settings(cfg: Config, dist: DistInfo) -> list[str]:
+    """The settings `accelerate launch` left in the environment against the recipe's (core/launch/accelerate.py):
+    returns the warnings rank 0 logs. Every rank reads the same flags and the same config, so all stop or none.
+
+    Raises:
+        StageExit: On every rank, code `EXIT_REFUSED`, when one disagrees with the recipe; rank 0's carries the lines.
+    """
+    refusals, warnings = setting_conflicts(cfg, os.environ, dist.device.type)
+    if refusals:
+        lines = "\n".join(f"[mimpipe] refused: {refusal}" for refusal in refusals)
+        raise StageExit(EXIT_REFUSED, lines if dist.is_main else None)
+    return warnings
 
 
 def own_run_dir(cfg: Config, dist: DistInfo, recipe: str, *, take_over: bool) -> HeldLease | None:

@@ -8,15 +8,20 @@ line and a logged traceback (core/engine/failure.py).
 
 Torch-free until those imports. A recipe that does not load is left alone by `prestart`: the stage loads it again
 and reports the error as it reports every other.
+
+Started by `accelerate launch --cpu` for several processes (accelerate's CPU launcher starts one and leaves the rest
+to mpirun), the process first turns into torchrun's agent for them (core/launch/accelerate.py `cpu_launch_command`).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from collections.abc import Callable
 
 from core.engine.failure import run_guarded, stopped_by_ctrl_c
+from core.launch.accelerate import SHUTDOWN_TIMEOUT_S, cpu_launch_command, parent_argv
 from core.launch.imports import imports_without_collection
 from core.launch.lease import release_held
 from core.recipe.config import load_config
@@ -29,6 +34,13 @@ def run(stage: str, argv: list[str] | None = None) -> int:
     """`python -m STAGE ARGS`: `prestart`, then the stage's `main(argv)` (default: sys.argv[1:]), guarded; returns
     the exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        command = cpu_launch_command(stage, argv, os.environ, parent_argv())
+    except ValueError as err:  # accelerate's arguments: one line, as launch.sh's check refuses
+        print(f"[mimpipe] refused: {err}", file=sys.stderr, flush=True)
+        return 2
+    if command is not None:
+        become(command)
     try:
         prestart(argv)
         with imports_without_collection():
@@ -43,6 +55,15 @@ def run(stage: str, argv: list[str] | None = None) -> int:
     # every object of torch, DeepSpeed, timm and dynamo (1.1 s of CPU per rank at every launch's end).
     gc.freeze()
     return code
+
+
+def become(command: list[str]) -> None:
+    """Replace this process by `command` (same pid: the launcher that waits for it gets its exit code), with torchrun's
+    grace for the ranks' checkpoint after a SIGTERM as launch.sh gives it."""
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(command[0], command)
 
 
 def prestart(argv: list[str]) -> None:

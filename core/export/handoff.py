@@ -7,13 +7,14 @@ up in exactly one bucket of the `LoadReport`:
 
     loaded       copied unchanged into the model (possibly under a mapped name)
     resized      pos_embed resampled to the model's patch grid (ViT paper, section 3.2; bicubic interpolation, or
-                 regenerated 2-D sin-cos), patch_embed.proj.weight to another patch size (FlexiViT's pseudo-inverse)
+                 regenerated 2-D sin-cos; the prefix tokens' positions, class and registers, kept as they are),
+                 patch_embed.proj.weight to another patch size (FlexiViT's pseudo-inverse)
     mapped       renamed: `norm.*` <-> `fc_norm.*` when the pooling (cls token vs global average) changes
     dropped      not part of the target encoder: decoder_*, mask_token, dist_token, a pretraining head ...
 and every model tensor the checkpoint does not provide is `initialised` (the head: zero weight and bias as in the
 ViT paper, or MAE's truncated normal). An encoder tensor that does not fit is an error, never skipped.
 
-Shape legend: D embedding width, gh x gw patch grid, N = gh * gw, P prefix tokens with a position (cls, dist),
+Shape legend: D embedding width, gh x gw patch grid, N = gh * gw, P prefix tokens with a position (cls, dist, reg),
 ph x pw patch size, C input channels.
 
 A hybrid ViT (ResNet stem) is a timm VisionTransformer: its pos_embed is resized to the feature map's patch grid in
@@ -256,8 +257,26 @@ def _match(
     renames = norm_renames(model_state, state)
     report.mapped = sorted(renames.items())
     encoder_state = _split(model, model_state, state, renames, keep_head, report)
+    registers = _register_problem(model, state)
+    if registers is not None:  # every pos_embed row after the class token would be off: the one line that says why
+        return encoder_state, token_grid(model), [registers]
     problems, source_grid = _fit(model, model_state, encoder_state, ckpt, may_init | _optional_heads(keep_head))
     return encoder_state, source_grid, problems
+
+
+def _register_problem(model: VisionTransformer, state: dict[str, torch.Tensor]) -> str | None:
+    """The line refusing a checkpoint with another number of register tokens than the model (`model.reg_tokens`):
+    they are prefix tokens with positions of their own, so pos_embed's grid would not be found either."""
+    if not isinstance(model, VisionTransformer):
+        return None
+    tokens = state.get("reg_token")  # (1, R, D)
+    have, want = (tokens.shape[1] if tokens is not None and tokens.ndim == 3 else 0), model.num_reg_tokens
+    if have == want:
+        return None
+    return (
+        f"reg_token: the checkpoint has {have} register tokens, the model {want}; build the model with "
+        f"model.reg_tokens={have} (timm: reg_tokens={have})"
+    )
 
 
 def _fit(

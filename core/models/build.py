@@ -59,6 +59,7 @@ def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> nn
             distilled=not plain and cfg.stage == "finetune" and cfg.distill.kind != "none",
             hybrid_backbone=m.hybrid_backbone if m.arch == "vit_hybrid" else None,
             **({"init_values": m.layer_scale_init} if m.layer_scale_init is not None else {}),
+            **({"reg_tokens": m.reg_tokens} if m.reg_tokens else {}),
         )
     if cfg.engine.activation_checkpointing:  # config.py allows it only for the archs that have it
         model.set_grad_checkpointing(True)

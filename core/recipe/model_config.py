@@ -47,6 +47,11 @@ class ModelConfig(Section):
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
     """Stochastic depth: the largest probability of skipping a block's residual branch, rising linearly over the blocks
     (MAE fine-tuning ViT-B: 0.1); 0 turns it off."""
+    reg_tokens: int = Field(0, ge=0)
+    """Register tokens (Darcet et al. 2024, "Vision Transformers Need Registers"; timm's `reg_tokens`): learned
+    tokens after the class token, with a position of their own (arch vit and vit_hybrid). Prefix tokens like the
+    class token: never masked, never pooled, never reconstructed; exported with the encoder (config.json's
+    `reg_tokens`). Fine-tuning from an export needs the export's number (the hand-off refuses another)."""
     layer_scale_init: float | None = Field(None, gt=0.0)
     """LayerScale: per-channel residual scales initialised to this value (BEiT: 0.1); None turns it off."""
     global_pool: Literal["auto", "token", "avg"] = "auto"
@@ -156,6 +161,13 @@ def check_arch(model: ModelConfig, objective: Objective, *, activation_checkpoin
                 f"objective.mask_ratio {objective.mask_ratio} masks all {num_units} mask units of "
                 f"{unit}x{unit} tokens on the grid {grid}; lower it or objective.mask_patch_size"
             )
+    if model.reg_tokens and arch not in ("vit", "vit_hybrid"):
+        raise ValueError(f"model.reg_tokens needs model.arch vit or vit_hybrid (timm's ViT), got {arch!r}")
+    if model.reg_tokens and distill != "none":
+        raise ValueError(
+            "model.reg_tokens does not fit distill: DeiT's distilled ViT (a distillation token beside the class "
+            "token) has no register tokens in timm; set model.reg_tokens=0 or distill.kind=none"
+        )
     if activation_checkpointing and arch not in ("vit", "vit_hybrid"):
         raise ValueError(
             f"engine.activation_checkpointing is implemented for model.arch vit and vit_hybrid, not {arch}"

@@ -3,17 +3,21 @@ series agreeing with its pin in pyproject.toml."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 
+from core.compat import accelerate as acc_compat
 from core.compat import deepspeed as ds_compat
 from core.compat import timm as timm_compat
 from core.compat import webdataset as wds_compat
 from core.compat.checks import CompatError, Library, code_words, run_checks
 
 REPO = Path(__file__).resolve().parents[2]
-LIBRARIES = [ds_compat.DEEPSPEED, timm_compat.TIMM, wds_compat.WEBDATASET]
+# accelerate is optional (the dev extra): its pin is checked where it is installed
+OPTIONAL = [acc_compat.ACCELERATE] if importlib.util.find_spec("accelerate") else []
+LIBRARIES = [ds_compat.DEEPSPEED, timm_compat.TIMM, wds_compat.WEBDATASET, *OPTIONAL]
 
 
 class _ProbeError(CompatError):

@@ -25,6 +25,19 @@ def test_visible_patches_only_give_one_output_per_token_plus_the_class_token():
     assert forward_encoder(encoder, tokens).shape == (2, 6, 32)
 
 
+def test_register_tokens_follow_the_class_token_as_in_timms_forward_features():
+    """model.reg_tokens: the prefix is the class token, then the registers, each with its position (timm's order)."""
+    torch.manual_seed(0)
+    encoder = timm.create_model("vit_tiny_patch16_224", pretrained=False, **ARGS, reg_tokens=4).eval()
+    with torch.no_grad():
+        encoder.pos_embed.normal_()  # timm leaves the prefix positions at a draw too small to tell them apart
+    images = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        ours = forward_encoder(encoder, encoder.patch_embed(images) + patch_positions(encoder))  # (2, 5 + 16, 32)
+        torch.testing.assert_close(ours, encoder.forward_features(images), rtol=0, atol=0)
+    assert patch_positions(encoder).shape == (1, 16, 32)
+
+
 def test_other_layouts_are_refused_naming_the_objective_and_every_problem():
     check_encoder(timm.create_model("vit_tiny_patch16_224", pretrained=False, **ARGS), "MAE", token_pool=True)
     pooled = timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**ARGS, "global_pool": "avg"})
@@ -38,7 +51,6 @@ def test_other_layouts_are_refused_naming_the_objective_and_every_problem():
     )
     with pytest.raises(ValueError) as caught:
         check_encoder(odd, "masked-patch prediction")
-    assert str(caught.value) == (
-        "masked-patch prediction encoder: reg_tokens must be 0, got 2; num_classes must be 0, got 3; "
-        "dynamic_img_size must be False"
+    assert str(caught.value) == (  # register tokens are prefix tokens like the class token: allowed
+        "masked-patch prediction encoder: num_classes must be 0, got 3; dynamic_img_size must be False"
     )

@@ -219,7 +219,6 @@ def test_encoder_still_loads_into_a_fresh_timm_model_and_matches_it():
     [
         (dict(global_pool="avg"), "global_pool"),
         (dict(num_classes=10), "num_classes"),
-        (dict(reg_tokens=1), "reg_tokens"),
     ],
 )
 def test_unsupported_encoder_is_rejected(kwargs, message):
