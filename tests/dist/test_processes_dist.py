@@ -140,7 +140,7 @@ def test_a_hung_evaluation_loader_stops_the_run_with_one_line(shards, tmp_path):
 
 
 def test_hundreds_of_evaluations_at_two_ranks_never_hang(shards):
-    """100 rounds of a kNN pass and a fine-tuning evaluation (200 evaluations, 600 loaders of 2 workers each)
-    in ranks that run threads; every round gives the same figures."""
-    proc = torchrun("eval_stress_worker.py", shards["train"], shards["val"], 100, timeout=900)
-    assert "rounds 100" in proc.stdout, proc.stdout[-2000:]
+    """50 rounds of a kNN pass and a fine-tuning evaluation (100 evaluations, 300 loaders of 2 workers each)
+    in ranks that run threads; every round gives the same figures. (100 rounds took 262 s of CI's test-faults.)"""
+    proc = torchrun("eval_stress_worker.py", shards["train"], shards["val"], 50, timeout=900)
+    assert "rounds 50" in proc.stdout, proc.stdout[-2000:]

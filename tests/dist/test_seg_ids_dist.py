@@ -2,8 +2,9 @@
 from scratch on a tiny set in ADE20K's release layout (ids 1..3 in the annotations, 0 = "other"), written with
 `python -m data write --source segfolder` with and without reduce-zero-label; each image one flat colour, one class,
 so a per-pixel model learns it exactly. Predicted on the raw validation images, the masks equal the original
-annotations on every labelled pixel; with `--training-ids` they equal them after the reduction; a set written
-without the reduction round-trips unchanged."""
+annotations on every labelled pixel; with `--training-ids` they equal them after the reduction. (A set written
+without the reduction keeps the annotations' ids in its shards and `predict` writes them unchanged:
+tests/unit/test_seg_ids.py; Fashion-MNIST scenes, such a set, are predicted and scored in test_segmentation_dist.py.)"""
 
 from __future__ import annotations
 
@@ -99,14 +100,3 @@ def test_masks_carry_the_dataset_s_own_ids_and_the_training_ids_on_request(tmp_p
     assert [(c["id"], c["training_id"]) for c in legend] == [(1, 0), (2, 1), (3, 2)]
     training_legend = json.loads((masks.with_name(f"{masks.name}_training") / "classes.json").read_text())
     assert [c["id"] for c in training_legend] == [0, 1, 2]
-
-
-def test_a_set_written_without_the_reduction_round_trips_unchanged(tmp_path):
-    root = ade_layout(tmp_path / "ADEChallengeData2016")
-    masks, manifest = train_and_predict(root, tmp_path, "plain", "--no-reduce-zero-label")
-    assert manifest["segmentation"]["reduce_zero_label"] is False and manifest["segmentation"]["num_classes"] == 4
-    for annotation in sorted((root / "annotations" / "validation").glob("*.png")):
-        truth, predicted = np.array(Image.open(annotation)), read(masks / annotation.name)
-        # 0 is a class here (the top rows); rows a token row away from it are the colour's class, each id unchanged
-        assert (predicted[8:] == truth[8:]).all(), annotation.name
-    assert [c["id"] for c in json.loads((masks / "classes.json").read_text())] == [0, 1, 2, 3]

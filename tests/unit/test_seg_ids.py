@@ -12,12 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from core.engine.distributed import DistInfo
 from core.report.metrics import Confusion, confusion_counts, segmentation_scores
 from core.report.pictures import class_colours, id_colours, legend
+from data.__main__ import main as data_main
 from data.device import normalisation
-from data.segmentation import IGNORE_INDEX, dataset_ids
+from data.index import shard_samples
+from data.segmentation import IGNORE_INDEX, SEG_FIELD, dataset_ids, decode_mask
+from data.specs import segmentation_info
 from finetune.predict import written_ids
 from finetune.seg_evaluate import AGREE_EVERY, evaluate_segmentation, segmentation_picture
 from finetune.segment import per_class_iou_table
@@ -131,3 +135,23 @@ def _host_reads(monkeypatch, num_images: int) -> int:
 def test_host_reads_of_a_pass_do_not_grow_with_its_images(monkeypatch):
     assert AGREE_EVERY >= 20
     assert _host_reads(monkeypatch, 4) == _host_reads(monkeypatch, 20)
+
+
+def test_a_set_written_without_the_reduction_round_trips_its_ids_unchanged(tmp_path):
+    """ADE20K's layout written with --no-reduce-zero-label: the shards hold the annotations' own ids (0 a class),
+    the index says so, and predict's ids for such an export are the training ids themselves."""
+    for kind in ("images", "annotations"):
+        (tmp_path / kind / "validation").mkdir(parents=True)
+    annotation = np.zeros((8, 8), dtype=np.uint8)
+    annotation[:, 4:] = 2
+    Image.fromarray(np.full((8, 8, 3), 90, dtype=np.uint8)).save(tmp_path / "images" / "validation" / "a.png")
+    Image.fromarray(annotation).save(tmp_path / "annotations" / "validation" / "a.png")
+    out = tmp_path / "shards"
+    data_main(["write", "--source", "segfolder", "--path", str(tmp_path), "--split", "val", "--out", str(out),
+               "--no-reduce-zero-label"])  # fmt: skip
+    info = segmentation_info(str(out))
+    assert info["reduce_zero_label"] is False and info["num_classes"] == 3
+    (sample,) = [s for shard in sorted(out.glob("*.tar")) for s in shard_samples(str(shard), frozenset({SEG_FIELD}))]
+    assert (decode_mask(sample[SEG_FIELD]) == annotation).all()  # stored as annotated
+    exported = {"num_classes": 3, "reduce_zero_label": info["reduce_zero_label"]}
+    assert written_ids(exported, Path("export"), training_ids=False) == [0, 1, 2]  # written back unchanged
