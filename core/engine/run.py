@@ -108,10 +108,9 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
         logger.text("data/synthetic", 0, f"data.train holds {SYNTHETIC_WARNING}")
     if resume is None:  # TensorBoard would keep a run's first hparams anyway; the resumed config is in config.yaml
         logger.hparams(cfg.model_dump(mode="json"))
-    # ZeRO-3 logs no perf/mfu (see start_meter), so nothing is measured for it
-    peak = (
-        None if cfg.engine.zero_stage == 3 else device_peak(cfg.engine.peak_tflops, cfg.engine.precision, dist.device)
-    )
+    # ZeRO-3 and the ranks but 0 log no perf/mfu (see start_meter), so nothing is measured for them
+    measures = cfg.engine.zero_stage != 3 and dist.is_main
+    peak = device_peak(cfg.engine.peak_tflops, cfg.engine.precision, dist.device) if measures else None
     return StageRun(
         cfg,
         args.recipe,

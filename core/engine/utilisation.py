@@ -174,9 +174,11 @@ def device_peak(configured: float | None, precision: str, device: torch.device) 
 def start_meter(run: StageRun, module: nn.Module, batch: dict) -> Utilisation | None:
     """Count a step's FLOPs on `batch` (a micro-batch of the stream, on the host) and take the peak (`run.peak`,
     found before the data workers started, else found now); prints both. Returns the meter, or None when perf/mfu
-    cannot be logged."""
+    cannot be logged, and on every rank but 0, which logs it (their ranks' counts would be the same)."""
 
     cfg, dist, logger = run.cfg, run.dist, run.logger
+    if not dist.is_main:
+        return None
     precision = cfg.engine.precision
     if is_partitioned(module):
         logger.console("[mimpipe] perf/mfu not logged: FLOPs are not counted on ZeRO-3 partitioned parameters")

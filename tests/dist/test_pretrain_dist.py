@@ -31,6 +31,7 @@ def test_zero2_run_logs_checkpoints_and_exports(zero2_run, monkeypatch):
     assert sorted(steps) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in steps.values())
     last = read_metrics(run_dir)[-1]
     assert last["perf/images_per_sec"] > 0 and 0 <= last["perf/data_wait_fraction"] <= 1
+    assert 0 < last["perf/mfu"] <= 1  # rank 0's: the other rank counts no FLOPs (start_meter)
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000006"
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))

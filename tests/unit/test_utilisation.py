@@ -250,6 +250,16 @@ def test_start_meter_counts_accumulation(capsys):
     assert meter == Utilisation(2 * one_micro_batch, 32, 0.5e12)
 
 
+def test_only_rank_0_counts_and_measures(monkeypatch):
+    """perf/mfu is rank 0's to log: another rank neither counts the step's FLOPs nor measures a peak."""
+    objective, batch = _step()
+    cfg = Config.model_validate({"data": {"global_batch_size": 16}})
+    monkeypatch.setattr("core.engine.utilisation.count_step_flops", lambda *a, **k: pytest.fail("counted"))
+    monkeypatch.setattr("core.engine.cpu_peak.measure_cpu_tflops", lambda *a, **k: pytest.fail("measured"))
+    run = SimpleNamespace(cfg=cfg, dist=DistInfo(1, 1, 2, CPU), logger=MetricsLogger(None, enabled=False), peak=None)
+    assert start_meter(run, objective, batch) is None
+
+
 def test_start_meter_takes_the_peak_found_before_the_data_workers_started(monkeypatch):
     objective, batch = _step()
     cfg = Config.model_validate({"data": {"global_batch_size": 16}})
