@@ -72,8 +72,9 @@ def test_of_two_launches_at_once_one_trains_as_a_lone_run_and_the_other_stops_wi
     assert len(lines) == 1, loser.stdout[-3000:]
     pattern = re.escape("[mimpipe] refused: ") + IN_USE.format(run_dir=re.escape(str(run_dir)), host=r"\S+", job="")
     assert re.match(pattern, lines[0]) and "--take-over-run-dir" in lines[0], lines[0]
-    # Rank 1 exits 2 as well, unless torchrun's SIGTERM after rank 0's exit reaches it first
-    assert "[mimpipe] torchrun: pretrain failed:" in loser.stdout and "rank 0 (exit code 2)" in loser.stdout
+    # Every rank exits 2; torchrun names the first to exit, then SIGTERMs the other unless it is gone already (a fresh
+    # clone's CI saw rank 1 first, then rank 0 killed by SIGTERM after it had printed its line)
+    assert re.search(r"\[mimpipe\] torchrun: pretrain failed: rank [01] \(exit code 2\)", loser.stdout)
     assert "[mimpipe] stage" not in loser.stdout and "Traceback" not in loser.stdout
 
     # The winner trained as a lone run does, bit for bit, each step logged once, and left no lease.
