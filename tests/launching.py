@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -24,15 +23,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.launch.ports import free_port  # noqa: F401  (the tests' ports, from tests.launching)
+
 REPO = Path(__file__).resolve().parents[1]
 
 TINY_MODEL = {"size": "tiny", "embed_dim": 32, "depth": 2, "num_heads": 2, "img_size": 16, "patch_size": 4}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 DEVICES = ("cpu", "cuda")

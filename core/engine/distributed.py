@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from core.launch import gpus
 from core.launch.accelerate import mpi_world
+from core.launch.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pick_device(preference: str) -> torch.device:
@@ -112,7 +106,7 @@ def world_from_launcher(env: Mapping[str, str]) -> dict[str, str]:
         "WORLD_SIZE": "1",
         "LOCAL_WORLD_SIZE": "1",
         "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
-        "MASTER_PORT": env.get("MASTER_PORT") or str(_free_port()),
+        "MASTER_PORT": env.get("MASTER_PORT") or str(free_port()),
     }
 
 

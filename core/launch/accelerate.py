@@ -25,12 +25,12 @@ started becomes torchrun's agent for the processes asked for (`cpu_launch_comman
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from core.compat.accelerate import LaunchRequest, launch_request
+from core.launch.ports import free_port
 from core.recipe.config import Config
 
 SHUTDOWN_TIMEOUT_S = "120"
@@ -122,7 +122,7 @@ def torchrun_command(module: str, argv: list[str], request: LaunchRequest, env: 
         )
     port = request.main_process_port
     if port is None:
-        port = _free_port() if machines == 1 else int(env.get("MASTER_PORT", "29500"))
+        port = free_port() if machines == 1 else int(env.get("MASTER_PORT", "29500"))
     return [
         sys.executable, "-m", "core.launch.torchrun",
         "--nnodes", str(machines), "--node-rank", str(request.machine_rank),
@@ -130,12 +130,6 @@ def torchrun_command(module: str, argv: list[str], request: LaunchRequest, env: 
         "--master-addr", request.main_process_ip or env.get("MASTER_ADDR", "127.0.0.1"), "--master-port", str(port),
         "-m", module, *argv,
     ]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _equal(given: str, want: object) -> bool:
