@@ -8,7 +8,7 @@ SCENES ?= shards/scenes
 # torch/torchvision are pinned here (not in pyproject) to the build this machine serves from its own disk.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install quickstart quickstart-beit quickstart-data quickstart-seg quickstart-seg-data test test-faults test-unit test-dist lint format bench bench-memory \
+.PHONY: install quickstart quickstart-beit quickstart-data quickstart-seg quickstart-seg-data test test-long test-faults test-unit test-dist lint format bench bench-memory \
 	bench-data bench-write bench-resume bench-startup smoke-recipes encoders-table bench-quality bench-monitors bench-seg gpu-check \
 	lease-wheels recipe-reference
 
@@ -71,7 +71,12 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # CI's suite, also on a GPU host: tests/gpu (marked gpu) is `make gpu-check`'s.
 test: install
-	$(PYTEST) -m "not slow and not gpu and not faults" --durations=15
+	$(PYTEST) -m "not slow and not gpu and not faults and not long" --durations=15
+
+# Runs at full size (the ViT-B recipes' chain) and the compiled launch's cold compile: a minute or more each alone,
+# which `make test` leaves to it. .ci/run runs it after `make test`.
+test-long: install
+	$(PYTEST) -m "long and not slow and not gpu" --durations=10
 
 # The fault matrix's slow cases (docs/faults.md): real runs killed, stalled or filled up on purpose. .ci/run runs it
 # after `make test`.

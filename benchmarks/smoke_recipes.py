@@ -101,8 +101,9 @@ REDUCED: dict[str, tuple[str, ...]] = {"mae_vith": ("model.depth=8",)}
 """Chains run a second time with these overrides when a stage did not fit in memory: ViT-H/14 with 8 of its 32
 blocks keeps the width, heads, patch 14, 16x16 grid, decoder and ZeRO-2 of the recipe at a quarter of the memory."""
 CI_CHAINS: dict[str, tuple[Stage, ...]] = {"mae_vitb": CHAINS["mae_vitb"][:2]}
-"""What `make test` runs (benchmarks/tests/test_recipes_at_size.py): MAE ViT-B/16 into fine-tuning. The BEiT chain's
-checks there are marked slow (`pytest -m slow`); every chain runs in `make smoke-recipes`."""
+"""What CI runs (benchmarks/tests/test_recipes_at_size.py, marked long: `make test-long`): MAE ViT-B/16 into
+fine-tuning. The BEiT chain's checks there are marked slow (`pytest -m slow`); every chain runs in
+`make smoke-recipes`."""
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Recipes at their real size (benchmarks/smoke_recipes.py): recipes/mae_vitb.yaml -> finetune_vitb.yaml (`CI_CHAINS`,
-in `make test`), and, marked slow (`pytest -m slow`; `make smoke-recipes` runs it too), tokenizer_in1k.yaml (VQ-VAE
-on the 112 px view) -> beit_vitb.yaml (LayerScale) -> finetune_vitb.yaml. Each stage runs 2 steps at global batch 2
-through ./launch.sh with one process, on 224 px JPEG shards of ImageNet-like sizes, at the recipe's own ViT-B/16,
-14x14 grid, ZeRO stage and precision."""
+marked long: CI runs it in `make test-long`), and, marked slow (`pytest -m slow`; `make smoke-recipes` runs it too),
+tokenizer_in1k.yaml (VQ-VAE on the 112 px view) -> beit_vitb.yaml (LayerScale) -> finetune_vitb.yaml. Each stage runs
+2 steps at global batch 2 through ./launch.sh with one process, on 224 px JPEG shards of ImageNet-like sizes, at the
+recipe's own ViT-B/16, 14x14 grid, ZeRO stage and precision."""
 
 from __future__ import annotations
 
@@ -105,6 +105,7 @@ def test_each_stage_overrides_only_data_length_batch_workers_logging_and_its_han
             assert after[key] == str(exports[source])
 
 
+@pytest.mark.long
 def test_mae_vitb_pretrains_at_size_and_exports_its_sincos_grid(mae_chain):
     result = mae_chain["mae_vitb"]
     assert result.cfg.engine.zero_stage == 1 and result.cfg.engine.precision == "auto"
@@ -119,6 +120,7 @@ def test_mae_vitb_pretrains_at_size_and_exports_its_sincos_grid(mae_chain):
     torch.testing.assert_close(tensors["pos_embed"], sincos_pos_embed_2d(768, (14, 14)))
 
 
+@pytest.mark.long
 def test_finetune_vitb_takes_the_mae_export_on_the_same_grid(mae_chain):
     result = mae_chain["finetune_vitb"]
     assert all(math.isfinite(v) for v in _losses(result.run_dir)) and len(_losses(result.run_dir)) == 2

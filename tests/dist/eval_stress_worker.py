@@ -20,6 +20,7 @@ from core.models.vit import build_vit
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
 from data.transforms import eval_transform
+from data.worker_process import start_fork_server
 from finetune.classification import Classification
 from finetune.evaluate import evaluate
 from pretrain.knn import KNNBank, embed
@@ -67,4 +68,5 @@ def _knn(vit, bank_batches, query_batches, info: DistInfo) -> tuple[float, ...]:
 
 
 if __name__ == "__main__":
+    start_fork_server(forked=True)  # as a stage starts it (core/entry/stage.py): the workers fork from these imports
     main()

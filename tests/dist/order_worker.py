@@ -18,6 +18,7 @@ from core.engine.distributed import init_distributed, shutdown
 from core.engine.stream import train_loader
 from core.recipe.config import load_config
 from data.transforms import eval_transform
+from data.worker_process import start_fork_server
 from tests.launching import position_after
 
 
@@ -38,4 +39,5 @@ def main(out: Path, num_batches: int, save_after: int, resume_from: str, overrid
 
 
 if __name__ == "__main__":
+    start_fork_server(forked=True)  # as a stage starts it (core/entry/stage.py): the workers fork from these imports
     main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:])

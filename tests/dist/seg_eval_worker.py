@@ -20,6 +20,7 @@ from core.models.vit import build_vit
 from data.pipeline import make_eval_loader
 from data.seg_transforms import SegEvalTransform
 from data.specs import resolve_shards
+from data.worker_process import start_fork_server
 from finetune.seg_evaluate import evaluate_segmentation
 from finetune.seg_model import Segmentation, SegmentationModel
 
@@ -50,4 +51,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    start_fork_server(forked=True)  # as a stage starts it (core/entry/stage.py): the workers fork from these imports
     main()

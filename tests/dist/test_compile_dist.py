@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import core.models.build  # noqa: F401  (registers the archs timm loads exports of)
 from tests.launching import finetune_recipe, launch, losses, read_metrics, write_recipe
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.long]  # a cold compile: about a minute alone
 
 
 def _launch(shards, run_dir: Path, init: Path, cache: Path) -> str:
