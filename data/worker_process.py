@@ -172,6 +172,45 @@ def init_worker(rank_pid: int, worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # for good, and a Ctrl-C pending since the start is dropped
     threading.Thread(target=_exit_on_sigterm_from, args=(rank_pid,), name="mimpipe-sigterm", daemon=True).start()
     threading.Thread(target=_exit_with, args=(rank_pid,), name="mimpipe-rank-watch", daemon=True).start()
+    quiet_after_rank(rank_pid)
+
+
+RANK_GONE_WAIT_S = 1.0
+"""How long a worker whose connection failed waits to see whether its rank has ended (then it follows it quietly)."""
+
+
+def quiet_after_rank(rank_pid: int) -> None:
+    """A connection error reported in this worker once its rank has ended ends the worker without a traceback.
+
+    A rank stopped at once (a second Ctrl-C) may end while it fetches a batch's shared memory from a worker:
+    multiprocessing's resource sharer thread in the worker then meets a reset connection and prints its traceback
+    (through `sys.excepthook`) before the rank watch above has exited the worker. Such an error, with the rank gone
+    within `RANK_GONE_WAIT_S`, ends the worker as the watch would; any other is reported as before."""
+    previous = sys.excepthook
+
+    def hook(kind, error, trace) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)) and _ends_within(rank_pid, RANK_GONE_WAIT_S):
+            _exit_worker()
+        previous(kind, error, trace)
+
+    sys.excepthook = hook
+
+
+def _ends_within(pid: int, seconds: float) -> bool:
+    """Whether process `pid` has ended, or ends within `seconds`."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except OSError:  # no pidfd (Linux < 5.3)
+        deadline = time.monotonic() + seconds
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not _alive(pid)
+    try:
+        return bool(select.select([pidfd], [], [], seconds)[0])
+    finally:
+        os.close(pidfd)
 
 
 def _exit_on_sigterm_from(rank_pid: int) -> None:

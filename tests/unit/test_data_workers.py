@@ -155,3 +155,35 @@ def test_workers_and_fork_server_die_with_a_killed_rank(shards, tmp_path, server
         assert marked_processes(marker) == set()
     finally:
         rank.kill()
+
+
+QUIET_AFTER_RANK = """
+import subprocess, sys
+from data.worker_process import quiet_after_rank
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+quiet_after_rank(rank.pid)
+if sys.argv[1] == "gone":
+    rank.kill()
+    rank.wait()
+try:
+    raise ConnectionResetError(104, "Connection reset by peer")
+except ConnectionResetError:
+    sys.excepthook(*sys.exc_info())  # as multiprocessing's resource sharer thread reports it
+print("reported and went on", flush=True)
+rank.kill()
+"""
+
+
+@pytest.mark.parametrize("rank", ["gone", "alive"])
+def test_a_reset_connection_after_the_rank_ended_ends_the_worker_quietly(rank):
+    """A rank stopped at once can leave a worker's resource sharer with a reset connection: with the rank gone the
+    worker ends without a traceback (exit 0); while the rank lives the error is reported as before."""
+    done = subprocess.run(
+        [sys.executable, "-c", QUIET_AFTER_RANK, rank], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    if rank == "gone":
+        assert (done.stdout, done.stderr) == ("", "")
+    else:
+        assert "ConnectionResetError: [Errno 104] Connection reset by peer" in done.stderr
+        assert done.stdout == "reported and went on\n"
