@@ -196,19 +196,19 @@ def quiet_after_rank(rank_pid: int) -> None:
     sys.excepthook = hook
 
 
-def _ends_within(pid: int, seconds: float) -> bool:
-    """Whether process `pid` has ended, or ends within `seconds`."""
+def _ends_within(pid: int, seconds: float | None) -> bool:
+    """Whether process `pid` has ended, or ends within `seconds` (None: waits until it has)."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         return True
-    except OSError:  # no pidfd (Linux < 5.3)
-        deadline = time.monotonic() + seconds
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    except OSError:  # no pidfd (Linux < 5.3): poll
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while _alive(pid) and (deadline is None or time.monotonic() < deadline):
+            time.sleep(1.0 if deadline is None else 0.05)
         return not _alive(pid)
     try:
-        return bool(select.select([pidfd], [], [], seconds)[0])
+        return bool(select.select([pidfd], [], [], seconds)[0])  # readable once the process has ended
     finally:
         os.close(pidfd)
 
@@ -222,15 +222,7 @@ def _exit_on_sigterm_from(rank_pid: int) -> None:
 
 def _exit_with(pid: int) -> None:
     """Exits this worker as soon as process `pid` has ended."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        _exit_worker()
-    except OSError:  # no pidfd (Linux < 5.3): poll
-        while _alive(pid):
-            time.sleep(1.0)
-        _exit_worker()
-    select.select([pidfd], [], [])  # readable once the process has ended
+    _ends_within(pid, None)
     _exit_worker()
 
 
