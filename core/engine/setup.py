@@ -15,6 +15,7 @@ from torch import nn
 
 from core.compat import deepspeed as ds_compat
 from core.compat import timm as timm_compat
+from core.compat.deepspeed_muon import muon_kernels_uncompiled
 from core.engine.compiled import (
     compile_batch_sizes,
     compile_blocks,
@@ -307,7 +308,7 @@ def parallelize(
     patches = {name for name, setting in ds_compat.SETTINGS.items() if getattr(cfg.engine, setting)}
     patches = {name for name in patches if ds_compat.applies(name)}  # each skipped with a warning if unchecked
     shared = ds_compat.fp32_master_shared() if "fp32_master_shared" in patches else contextlib.nullcontext()
-    with shared, optimizer.guard(skip=True):
+    with shared, optimizer.guard(skip=True), muon_kernels_uncompiled():
         engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
     if "skip_identity_grad_passes" in patches:
         ds_compat.skip_identity_grad_passes(engine.optimizer)
