@@ -22,6 +22,10 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	@# DeepSpeed JIT-builds its CPU shared-memory comm op on a run's first start (~25 s of g++, again for every new
 	@# .venv path); building it here keeps that out of the first run.
 	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	@# Where PYTHONDONTWRITEBYTECODE is set (this project's machines do) no process caches the bytecode of our modules, so
+	@# every stage process compiled them again (~0.25 CPU-s each, hundreds per `make test`); compiled once here, as pip
+	@# does for site-packages. A file changed since is compiled afresh, in memory.
+	$(PY) -m compileall -q core data pretrain finetune
 	touch $@
 
 install: $(VENV)/.installed
