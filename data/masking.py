@@ -1,6 +1,6 @@
 """Patch-mask generators for masked-patch prediction, run per sample inside the DataLoader workers.
 
-Three generators (`MaskGenerator`s), each returning an (h, w) bool tensor over the patch grid, True = masked:
+Four generators (`MaskGenerator`s), each returning an (h, w) bool tensor over the patch grid, True = masked:
 
 - `BlockwiseMaskGenerator`: BEiT's blockwise masking. Rectangular blocks (at least `min_patches`
   patches each, area drawn uniformly, aspect ratio log-uniform) are added until the budget is met
@@ -10,6 +10,10 @@ Three generators (`MaskGenerator`s), each returning an (h, w) bool tensor over t
 - `RandomMaskGenerator`: exactly `round(ratio * h * w)` patches chosen uniformly (the ViT paper's
   masked-patch prediction).
 - `UnitMaskGenerator`: SimMIM's: `ceil(ratio * units)` random squares of `unit` x `unit` patches.
+- `InverseBlockMaskGenerator`: data2vec 2.0's inverse block masking. Random `block_size` x `block_size` blocks are
+  the visible part and everything else is masked; random tokens are then added or removed to an exact count.
+
+`MaskStack` draws M independent masks from one generator, (M, h, w): data2vec 2.0 sees each image M times.
 
 Why in the workers: masks for MAE are drawn inside the objective, on the device, but blockwise
 masks are a sequential Python loop per sample. Making them in the workers keeps that loop off the
@@ -19,7 +23,7 @@ training step and lets the mask travel with its image in the batch, as BEiT and 
 Randomness comes from the global `random` RNG unless an explicit `random.Random` is passed. The
 data pipeline seeds `random` (and numpy, torch) per sample, so masks are reproduced on resume.
 
-Shape legend: h, w = patch-grid height and width.
+Shape legend: h, w = patch-grid height and width; M = masks per image (`MaskStack`).
 """
 
 import abc
@@ -250,3 +254,123 @@ class UnitMaskGenerator(MaskGenerator):
         units[torch.tensor(rng.sample(range(self.num_units), self.num_masked), dtype=torch.long)] = True
         units = units.view(self.height // self.unit, self.width // self.unit)
         return units.repeat_interleave(self.unit, dim=0).repeat_interleave(self.unit, dim=1)  # (h, w)
+
+
+class InverseBlockMaskGenerator(MaskGenerator):
+    """data2vec 2.0's inverse block masking (fairseq `compute_block_mask_2d` with `inverse_mask=True`,
+    `require_same_masks=True`), on any h x w grid.
+
+    The blocks are what stays visible. `num_centres` centres are drawn uniformly with replacement (a repeat adds
+    nothing); each makes the `block_size` x `block_size` block from `centre - block_size // 2` visible, clipped at the
+    grid's border. Random visible tokens are then hidden, or random masked ones revealed, until exactly
+    `num_visible` are visible. Counts, with keep = 1 - mask_ratio in float64 and int() truncating as fairseq does:
+
+        num_visible = int(h * w * keep)        num_masked = h * w - num_visible
+        num_centres = int(h * w * ((keep + adjust) / block_size**2))
+
+    `adjust` is fairseq's `mask_prob_adjust`: extra centres that make up for blocks overlapping and clipped, so that
+    the blocks alone come close to `num_visible` (data2vec 2.0: mask_ratio 0.8 and adjust 0.07 for ViT-B, 0.75 and
+    0.1 for ViT-L/H, block_size 3). The truncation is in floating point: 14x14 at 0.8 keeps 39 (196 * 0.2 = 39.2)
+    and 5x5 at 0.8 keeps 4, since 25 * (1 - 0.8) is 4.999... there.
+
+    Args:
+        grid: Patch grid (height, width).
+        mask_ratio: Fraction of tokens to mask, in (0, 1); must leave at least one token visible and mask one.
+        block_size: Side of a visible block in tokens, in [1, min(height, width)].
+        adjust: Added to the keep fraction when counting centres, >= 0.
+    """
+
+    def __init__(self, grid: tuple[int, int], mask_ratio: float, block_size: int = 3, adjust: float = 0.07):
+        self.height, self.width = _check_grid(grid)
+        num_patches = self.height * self.width
+        if not 1 <= block_size <= min(self.height, self.width):
+            raise ValueError(
+                f"block_size must be in [1, {min(self.height, self.width)}] for grid {grid}, got {block_size}"
+            )
+        if not 0.0 < mask_ratio < 1.0:
+            raise ValueError(f"mask_ratio must be in (0, 1), got {mask_ratio}")
+        if not adjust >= 0.0:
+            raise ValueError(f"adjust must be >= 0, got {adjust}")
+        keep = 1 - mask_ratio
+        self.num_visible = int(num_patches * keep)
+        if not 0 < self.num_visible < num_patches:
+            raise ValueError(
+                f"mask_ratio {mask_ratio} on grid {grid} leaves {self.num_visible} of {num_patches} tokens visible; "
+                "it must leave at least one visible and mask at least one"
+            )
+        self.mask_ratio, self.block_size, self.adjust = mask_ratio, block_size, adjust
+        self.num_masked = num_patches - self.num_visible
+        self.num_centres = int(num_patches * ((keep + adjust) / block_size**2))
+
+    def __repr__(self) -> str:
+        return (
+            f"InverseBlockMaskGenerator(grid=({self.height}, {self.width}), mask_ratio={self.mask_ratio}, "
+            f"block_size={self.block_size}, adjust={self.adjust})"
+        )
+
+    def draw(self, rng: random.Random) -> torch.Tensor:
+        """(h, w) bool, exactly `num_masked` True."""
+        visible = self._visible_blocks(rng)
+        self._fix_count(visible, rng)
+        assert int(visible.sum()) == self.num_visible, (int(visible.sum()), self.num_visible)
+        return torch.from_numpy(~visible)
+
+    def draw_unadjusted(self, rng: random.Random | None = None) -> torch.Tensor:
+        """One mask before the count is fixed: (h, w) bool, True = masked, everything outside the blocks.
+
+        Args:
+            rng: Source of randomness; None means the global `random` RNG.
+        """
+        return torch.from_numpy(~self._visible_blocks(random if rng is None else rng))
+
+    def _visible_blocks(self, rng: random.Random) -> np.ndarray:
+        """The union of the blocks around `num_centres` random centres: (h, w) bool, True = visible."""
+        visible = np.zeros((self.height, self.width), dtype=bool)
+        offset = self.block_size // 2
+        for _ in range(self.num_centres):
+            row, col = divmod(rng.randrange(self.height * self.width), self.width)
+            top, left = row - offset, col - offset  # may be < 0: clipped below, numpy clips the far side
+            visible[max(top, 0) : top + self.block_size, max(left, 0) : left + self.block_size] = True
+        return visible
+
+    def _fix_count(self, visible: np.ndarray, rng: random.Random) -> None:
+        """Hides random visible tokens, or reveals random masked ones, in place until `num_visible` are visible."""
+        flat = visible.reshape(-1)  # (h * w,) view into visible
+        num_extra = int(flat.sum()) - self.num_visible
+        if num_extra > 0:
+            flat[rng.sample(np.flatnonzero(flat).tolist(), num_extra)] = False
+        elif num_extra < 0:
+            flat[rng.sample(np.flatnonzero(~flat).tolist(), -num_extra)] = True
+
+
+class MaskStack:
+    """M independent masks per image from one generator (data2vec 2.0 encodes each image M times, each with its own
+    mask; fairseq's `clone_batch`, 16 for images). Called like a generator.
+
+    Args:
+        generator: Draws each (h, w) mask.
+        num_masks: M, masks per image, >= 1.
+    """
+
+    def __init__(self, generator: MaskGenerator, num_masks: int):
+        if num_masks < 1:
+            raise ValueError(f"num_masks must be >= 1, got {num_masks}")
+        self.generator, self.num_masks = generator, num_masks
+        self.height, self.width = generator.height, generator.width
+
+    @property
+    def num_masked(self) -> int:
+        """The generator's `num_masked`."""
+        return self.generator.num_masked
+
+    def __repr__(self) -> str:
+        return f"MaskStack({self.generator!r}, num_masks={self.num_masks})"
+
+    def __call__(self, rng: random.Random | None = None) -> torch.Tensor:
+        """Draws M masks one after another from `rng`: (M, h, w) bool, True = masked.
+
+        Args:
+            rng: Source of randomness; None means the global `random` RNG.
+        """
+        rng = random if rng is None else rng
+        return torch.stack([self.generator(rng) for _ in range(self.num_masks)])  # (M, h, w)

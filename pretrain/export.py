@@ -16,11 +16,26 @@ from core.export.push import check_push, push_export
 from core.recipe.config import Config, load_config
 
 
+def exported_prefix(cfg: Config) -> str:
+    """Where the exported encoder sits in the objective's state dict: the student (`encoder.`), or the EMA teacher
+    (`teacher.encoder.`) where the recipe exports it (`objective.export: teacher`)."""
+    return "teacher.encoder." if getattr(cfg.objective, "export", "student") == "teacher" else "encoder."
+
+
+def exported_encoder(cfg: Config, state: dict) -> dict:
+    """The exported encoder's tensors, by timm's names, out of the objective's state dict."""
+    prefix = exported_prefix(cfg)
+    return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+
+
 def pretrain_manifest(cfg: Config, *, step: int, source: str, objective_keys: Iterable[str]) -> dict:
     """What `mimpipe.json` says about a pretrained encoder (fine-tuning reads `pooling_hint` and reports
-    `not_exported`: the objective's own tensors, e.g. MAE's decoder or BEiT's mask token and head)."""
+    `not_exported`: the objective's own tensors, e.g. MAE's decoder or BEiT's mask token and head). `encoder` says
+    which of an objective's encoders it is: the student, or the EMA teacher."""
+    prefix = exported_prefix(cfg)
     return {
-        "not_exported": sorted(k for k in objective_keys if not k.startswith("encoder.")),
+        "not_exported": sorted(k for k in objective_keys if not k.startswith(prefix)),
+        "encoder": "teacher" if prefix.startswith("teacher") else "student",
         "method": cfg.objective.kind,
         "step": step,
         "source": source,
@@ -56,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no checkpoint {ckpt_dir / tag}")
     cfg = load_config(ckpt_dir / tag / "config.yaml")
     state = consolidated_state_dict(ckpt_dir, tag, cfg.engine.zero_stage)
-    encoder = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
+    encoder = exported_encoder(cfg, state)
     manifest = pretrain_manifest(
         cfg, step=int(tag.removeprefix("step_")), source=str(ckpt_dir / tag), objective_keys=state
     )

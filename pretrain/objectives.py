@@ -14,9 +14,17 @@ from core.export.manifest import MANIFEST_NAME
 from core.models.build import build_model
 from core.recipe.config import Config
 from core.recipe.sections import BEiTObjective, BlockwiseMask, SimMIMObjective
-from data.masking import BlockwiseMaskGenerator, RandomMaskGenerator, UnitMaskGenerator
+from core.recipe.teacher_sections import Data2Vec2Objective
+from data.masking import (
+    BlockwiseMaskGenerator,
+    InverseBlockMaskGenerator,
+    MaskStack,
+    RandomMaskGenerator,
+    UnitMaskGenerator,
+)
 from data.transforms import TwoViewCropFlip, WithMask, pretrain_transform
 from pretrain.beit import MaskedPatchPrediction
+from pretrain.data2vec2 import Data2Vec2
 from pretrain.mae import MAE
 from pretrain.simmim import SimMIM
 from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2, TokenizerCodes
@@ -57,6 +65,21 @@ def _simmim_builder(cfg: Config) -> Callable[[], nn.Module]:
     return lambda: SimMIM(build_model(cfg))
 
 
+def _data2vec2_builder(cfg: Config) -> Callable[[], nn.Module]:
+    o: Data2Vec2Objective = cfg.objective
+    num_masked = mask_generator(cfg).num_masked  # every copy the data workers mask hides exactly this many tokens
+    return lambda: Data2Vec2(
+        build_model(cfg),
+        build_model(cfg),  # the teacher: built beside the student, so ZeRO-3 partitions it the same way
+        ema=o.ema,
+        decoder=o.decoder,
+        top_k_blocks=o.top_k_blocks,
+        num_masked=num_masked,
+        cls_loss_weight=o.cls_loss_weight,
+        mask_noise_std=o.mask_noise_std,
+    )
+
+
 def _mae_transform(cfg: Config):
     d = cfg.data
     return pretrain_transform(cfg.model.img_size, d.mean, d.std, scale=d.crop_scale, decode=d.decode)
@@ -84,8 +107,16 @@ def _simmim_transform(cfg: Config):
     return WithMask(_mae_transform(cfg), mask_generator(cfg))
 
 
+def _data2vec2_transform(cfg: Config):
+    return WithMask(_mae_transform(cfg), MaskStack(mask_generator(cfg), cfg.objective.num_masks))
+
+
 def mask_generator(cfg: Config):
-    """The recipe's patch-mask generator for the encoder's grid (called once per sample in the data workers)."""
+    """The recipe's patch-mask generator for the encoder's grid (called once per sample, per copy for data2vec 2.0,
+    in the data workers)."""
+    if isinstance(cfg.objective, Data2Vec2Objective):
+        o = cfg.objective
+        return InverseBlockMaskGenerator(cfg.model.grid, o.mask_ratio, block_size=o.mask_block, adjust=o.mask_adjust)
     if isinstance(cfg.objective, SimMIMObjective):
         o = cfg.objective
         return UnitMaskGenerator(cfg.model.grid, o.mask_patch_size, o.mask_ratio)
@@ -110,8 +141,13 @@ def tokenizer_manifest(path: str | Path) -> dict:
     return json.loads(file.read_text())
 
 
-BUILDERS = {"mae": _mae_builder, "beit": _beit_builder, "simmim": _simmim_builder}
-TRANSFORMS = {"mae": _mae_transform, "beit": _beit_transform, "simmim": _simmim_transform}
+BUILDERS = {"mae": _mae_builder, "beit": _beit_builder, "simmim": _simmim_builder, "data2vec2": _data2vec2_builder}
+TRANSFORMS = {
+    "mae": _mae_transform,
+    "beit": _beit_transform,
+    "simmim": _simmim_transform,
+    "data2vec2": _data2vec2_transform,
+}
 
 
 def objective_builder(cfg: Config) -> Callable[[], nn.Module]:

@@ -10,9 +10,10 @@ from core.engine.inspection_hook import both, inspection_hook
 from core.engine.loop import LoopHooks
 from core.engine.run import finish_stage, run_loop, seed_everything, start_engine, start_stage
 from core.engine.stream import train_stream
+from core.engine.teacher import has_teacher, teacher_hook
 from core.export.folder import export_state_dict
+from pretrain.export import exported_prefix, pretrain_manifest
 from pretrain.export import main as export_main
-from pretrain.export import pretrain_manifest
 from pretrain.feature_monitor import monitors
 from pretrain.objectives import objective_builder, train_transform
 from pretrain.pictures import picture_hook
@@ -42,15 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     # paper's inspection of the encoder
     log_images = both(picture_hook(run, engine), inspection_hook(run, engine.module))
 
-    # Loop, with the kNN monitor (eval.knn) and the label-free one (eval.features), each every its every_steps and at
-    # the last step
-    hooks = LoopHooks(evaluate=monitors(run, engine), log_images=log_images)
+    # Loop, with the kNN monitor (eval.knn) and the label-free one (eval.features), each every its every_steps and
+    # at the last step; an EMA teacher follows the student after every applied update
+    hooks = LoopHooks(
+        evaluate=monitors(run, engine),
+        log_images=log_images,
+        after_update=teacher_hook(engine) if has_teacher(engine.module) else None,
+    )
     code = run_loop(run, engine, optimizer, batches, hooks)
     if code:
         return code
 
     # Export the encoder (consolidated from every ZeRO stage) in timm's layout.
-    state_dict = gather_state_dict(engine, engine.module.encoder, dist)
+    exported = engine.module.teacher.encoder if exported_prefix(cfg).startswith("teacher") else engine.module.encoder
+    state_dict = gather_state_dict(engine, exported, dist)
     if dist.is_main and cfg.checkpoint.export_at_end:
         manifest = pretrain_manifest(
             cfg, step=run.state.step, source=run.recipe, objective_keys=engine.module.state_dict()

@@ -29,6 +29,7 @@ from core.engine.precision import resolve_precision
 from core.engine.rollback import TooManyRollbacksError
 from core.engine.setup import parallelize
 from core.engine.stage import StageRun
+from core.engine.teacher import has_teacher, saved_teacher_missing, start_teacher
 from core.engine.train_state import TrainState
 from core.engine.utilisation import device_peak
 from core.launch.accelerate import setting_conflicts
@@ -267,6 +268,7 @@ def start_engine(
     if is_partitioned(engine.module):
         run.logger.console(f"[mimpipe] ZeRO-3 partitioned parameters: {partition_report(engine.module)}")
     if run.resume is not None:
+        refuse_without_teacher(run, engine)
         load_checkpoint(engine, run_dir=run.run_dir, resume=run.resume, states={"rng": RNGState()})
         run.logger.console(
             f"[mimpipe] resumed from {run.run_dir / 'checkpoints' / run.resume['tag']} at step {run.state.step}"
@@ -277,7 +279,31 @@ def start_engine(
                 f"optimizer state loaded from {run.resume['load_tag']}; the new data streams first read what the old "
                 "ones left unread (docs/resume.md)"
             )
+    tag_dir = None if run.resume is None else run.run_dir / "checkpoints" / run.resume["tag"]
+    teacher_note = start_teacher(engine, tag_dir, universal=run.resume is not None and run.resume["universal"])
+    if teacher_note is not None:
+        run.logger.console(teacher_note)
     return engine, optimizer
+
+
+def refuse_without_teacher(run: StageRun, engine) -> None:
+    """A resume of an objective with an EMA teacher from a checkpoint that has none (another objective's run, kept
+    with `--allow-config-change`) stops before anything loads, in one line on every rank.
+
+    Raises:
+        StageExit: Code `EXIT_REFUSED`.
+    """
+    if not has_teacher(engine.module):
+        return
+    tag_dir = run.run_dir / "checkpoints" / run.resume["tag"]
+    missing = saved_teacher_missing(engine, tag_dir)
+    if missing:
+        raise StageExit(
+            EXIT_REFUSED,
+            f"[mimpipe] refused: checkpoint {tag_dir} has no EMA teacher ({len(missing)} tensors missing, e.g. "
+            f"{missing[0]}): it was written by an objective without one; start a new run_dir, or warm-start from "
+            "its export with model.init",
+        )
 
 
 def run_loop(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: LoopHooks | None = None) -> int:

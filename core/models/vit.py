@@ -17,15 +17,7 @@ from timm.models import get_model_args
 from timm.models.vision_transformer import VisionTransformer
 
 from core.recipe.geometry import HYBRID_ARCHITECTURES, HYBRID_STRIDES
-
-VIT_SIZES: dict[str, dict] = {
-    "tiny": dict(embed_dim=192, depth=12, num_heads=3),
-    "small": dict(embed_dim=384, depth=12, num_heads=6),
-    "base": dict(embed_dim=768, depth=12, num_heads=12),
-    "large": dict(embed_dim=1024, depth=24, num_heads=16),
-    "huge": dict(embed_dim=1280, depth=32, num_heads=16),
-}
-
+from core.recipe.geometry import VIT_SIZES as VIT_SIZES  # re-exported: the size table is a plain one
 
 # timm registers every size at patch 16 except huge (patch 14 only); used when `vit_{size}_patch{p}_224` is absent.
 _FALLBACK_ARCHITECTURES = {

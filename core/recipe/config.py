@@ -19,20 +19,20 @@ from core.recipe.errors import ConfigError as ConfigError  # re-exported: caller
 from core.recipe.errors import explain
 from core.recipe.ignored import check_ignored
 from core.recipe.model_config import ModelConfig, check_arch
+from core.recipe.objective_kinds import OBJECTIVES_BY_STAGE, Objective
 from core.recipe.sections import (
-    OBJECTIVES_BY_STAGE,
     AugmentConfig,
     BEiTObjective,
     DistillConfig,
     FeatureMonitorConfig,
     KNNConfig,
     MAEObjective,
-    Objective,
     Section,
     SegmentationObjective,
     TrainSource,
     TrainSpec,
 )
+from core.recipe.teacher_sections import Data2Vec2Objective
 from core.recipe.tree import recipe_tree
 from data.shard_read import ShardReadPolicy
 from data.worker_process import LOADER_TIMEOUT_S
@@ -439,6 +439,8 @@ class Config(Section):
                     "data.decode device does not fit objective.target.kind tokenizer: its second view (the "
                     "tokenizer's, Lanczos) is rendered in the data workers only; use data.decode worker"
                 )
+        if isinstance(self.objective, Data2Vec2Objective):
+            self._check_teacher_targets()
         in_epochs = self.schedule.epochs is not None or self.schedule.warmup_epochs is not None
         if in_epochs and self.data.is_mixture and self.data.samples_per_epoch is None:
             raise ValueError(
@@ -460,6 +462,26 @@ class Config(Section):
                 f"engine.grad_accum_steps {self.engine.grad_accum_steps}"
             )
         return self
+
+    def _check_teacher_targets(self) -> None:
+        o, m = self.objective, self.model
+        num_tokens = math.prod(m.grid)
+        num_masked = num_tokens - int(num_tokens * (1 - o.mask_ratio))  # data/masking.py InverseBlockMaskGenerator
+        if not 0 < num_masked < num_tokens:
+            raise ValueError(
+                f"objective.mask_ratio {o.mask_ratio} masks {num_masked} of {num_tokens} tokens; need 1 to "
+                f"{num_tokens - 1} (at least one visible token per copy)"
+            )
+        if o.mask_block > min(m.grid):
+            raise ValueError(f"objective.mask_block {o.mask_block} is larger than the token grid {m.grid}")
+        if o.top_k_blocks > m.vit_depth:
+            raise ValueError(f"objective.top_k_blocks {o.top_k_blocks} is above the encoder's depth {m.vit_depth}")
+        if self.engine.precision == "fp16":
+            raise ValueError(
+                f"objective.kind {o.kind} does not fit engine.precision fp16: DeepSpeed's fp16 mode casts the EMA "
+                "teacher's weights to fp16, where a step of (1 - decay) x the distance is below the resolution; use "
+                "bf16 or fp32"
+            )
 
     def _check_segmentation(self) -> None:
         """What segmentation does not do: classification's mixing, erasing, policies, distillation and EMA."""

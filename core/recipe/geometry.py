@@ -23,3 +23,13 @@ def soft_split_grid(img_size: tuple[int, int]) -> tuple[int, int]:
         if min(grid) < 1:
             raise ValueError(f"img_size {img_size} is too small for the T2T soft splits {SOFT_SPLITS}")
     return grid
+
+
+# ViT sizes: `model.size` -> the width, depth and heads timm gives that size (core/models/vit.py builds them).
+VIT_SIZES: dict[str, dict] = {
+    "tiny": dict(embed_dim=192, depth=12, num_heads=3),
+    "small": dict(embed_dim=384, depth=12, num_heads=6),
+    "base": dict(embed_dim=768, depth=12, num_heads=12),
+    "large": dict(embed_dim=1024, depth=24, num_heads=16),
+    "huge": dict(embed_dim=1280, depth=32, num_heads=16),
+}

@@ -8,8 +8,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from core.recipe.geometry import HYBRID_STRIDES, soft_split_grid
-from core.recipe.sections import Objective, Section, SimMIMObjective
+from core.recipe.geometry import HYBRID_STRIDES, VIT_SIZES, soft_split_grid
+from core.recipe.objective_kinds import Objective
+from core.recipe.sections import Section, SimMIMObjective
 
 
 class ModelConfig(Section):
@@ -88,6 +89,16 @@ class ModelConfig(Section):
         return h // self.pixel_stride, w // self.pixel_stride
 
     @property
+    def vit_depth(self) -> int:
+        """Transformer blocks of a ViT (arch vit or vit_hybrid): `depth`, else the size's."""
+        return self.depth or VIT_SIZES[self.size]["depth"]
+
+    @property
+    def vit_width(self) -> int:
+        """Token width of a ViT (arch vit or vit_hybrid): `embed_dim`, else the size's."""
+        return self.embed_dim or VIT_SIZES[self.size]["embed_dim"]
+
+    @property
     def pixel_stride(self) -> int:
         """Image pixels per token side (vit: the patch; hybrid: backbone stride x patch; T2T, VT: 16; ResNet: its
         last stage's 32)."""
@@ -131,9 +142,9 @@ def check_arch(model: ModelConfig, objective: Objective, *, activation_checkpoin
             f"model.arch resnet is the backbone of the FPN segmentation heads (objective.kind segmentation, "
             f"objective.head fpn or vt_fpn), not of objective.kind {kind}"
         )
-    if kind == "mae" and arch != "vit":
+    if kind in ("mae", "data2vec2") and arch != "vit":
         raise ValueError(
-            f"objective.kind mae needs model.arch vit, got {arch!r}: MAE drops the masked tokens before the encoder, "
+            f"objective.kind {kind} needs model.arch vit, got {arch!r}: it drops the masked tokens before the encoder, "
             "which needs patches the encoder sees independently (a ResNet stem, T2T's overlapping soft splits and "
             "VT's convolutions all see neighbouring pixels); use objective.kind simmim"
         )

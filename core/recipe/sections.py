@@ -233,17 +233,6 @@ class DistillConfig(Section):
         return self
 
 
-Objective = Annotated[
-    MAEObjective | BEiTObjective | SimMIMObjective | VQVAEObjective | ClassificationObjective | SegmentationObjective,
-    Field(discriminator="kind"),
-]
-OBJECTIVES_BY_STAGE = {
-    "pretrain": ("mae", "beit", "simmim"),
-    "finetune": ("classification", "segmentation"),
-    "tokenizer": ("vqvae",),
-}
-
-
 class KNNSet(Section):
     """A labelled set of the kNN monitor: its shards and how many of their samples to embed."""
 
