@@ -92,6 +92,14 @@ CHAINS: dict[str, tuple[Stage, ...]] = {
         Stage("mae_vith"),
         Stage("finetune_vith", takes=(("model.init", "mae_vith"),)),
     ),
+    "data2vec2_vitb": (
+        Stage("data2vec2_vitb"),
+        Stage("finetune_vitb", takes=(("model.init", "data2vec2_vitb"),)),
+    ),
+    "data2vec2_vitl": (
+        Stage("data2vec2_vitl"),
+        Stage("finetune_vitl", takes=(("model.init", "data2vec2_vitl"),)),
+    ),
     "t2t_vit14": (Stage("t2t_vit14"),),  # trained from scratch: no pretraining stage to hand over
     "vt_resnet18": (Stage("vt_resnet18"),),  # VT is fine-tuned only (docs/encoders.md)
     # The recipe starts from an ImageNet ResNet-50 the user saves; no chain makes one, so this runs from timm's init.
