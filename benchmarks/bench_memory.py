@@ -1,4 +1,4 @@
-"""Peak memory per rank of MAE pretraining at each ZeRO stage: 2 processes (torchrun, gloo) on CPU, a few bf16 steps
+"""Peak memory per rank of MAE (and data2vec 2.0) pretraining at each ZeRO stage: 2 processes (torchrun, gloo) on CPU, a few bf16 steps
 of the real engine (`parallelize` + `train`) each, written as a table to benchmarks/results/memory.md.
 
     .venv/bin/python -m benchmarks.bench_memory           # MAE ViT-L/16, 224 px, 2 images per rank (make bench-memory)
@@ -26,6 +26,8 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+from core.recipe.geometry import VIT_SIZES
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "memory.md"
 TCMALLOC = Path(f"/usr/lib/{platform.machine()}-linux-gnu/libtcmalloc_minimal.so.4")
@@ -33,6 +35,17 @@ NEVER = 10**9  # logging / checkpoint period that never comes round
 ACTIVATION_CHECKPOINTING = "engine.activation_checkpointing=true"
 SHARE_ZERO12 = "engine.share_zero12_masters=true"
 SHARE_ZERO3 = "engine.share_zero3_masters=true"
+# data2vec 2.0 with recipes/data2vec2_vitl.yaml's objective: an EMA teacher as large as the encoder beside it.
+DATA2VEC2 = [
+    "objective.kind=data2vec2",
+    "objective.mask_ratio=0.75",
+    "objective.mask_adjust=0.1",
+    "objective.num_masks=16",
+    "objective.top_k_blocks=18",
+    "objective.decoder.embed_dim=1024",
+    "objective.decoder.kernel_size=5",
+    "objective.decoder.num_layers=3",
+]
 # (label, overrides, images per rank or None for --per-rank): the ZeRO stages, each memory patch beside the stage
 # without it (docs/deepspeed_patches.md), then activation checkpointing at a batch where activations weigh.
 CASES = [
@@ -44,6 +57,8 @@ CASES = [
     ("ZeRO-3 + `share_zero3_masters`", ["engine.zero_stage=3", SHARE_ZERO3], None),
     ("ZeRO-3, 8 images per rank", ["engine.zero_stage=3"], 8),
     ("ZeRO-3 + activation checkpointing, 8 images per rank", ["engine.zero_stage=3", ACTIVATION_CHECKPOINTING], 8),
+    ("data2vec 2.0, ZeRO-1", ["engine.zero_stage=1", *DATA2VEC2], None),
+    ("data2vec 2.0, ZeRO-3", ["engine.zero_stage=3", *DATA2VEC2], None),
 ]
 
 
@@ -62,7 +77,8 @@ def worker(spec: dict) -> None:
     from core.engine.setup import parallelize
     from core.recipe.config import load_config
     from data.pipeline import zero_counts
-    from pretrain.objectives import objective_builder
+    from data.masking import MaskStack
+    from pretrain.objectives import mask_generator, objective_builder
 
     world = int(os.environ["WORLD_SIZE"])
     total = spec["steps"] + 1
@@ -90,6 +106,9 @@ def worker(spec: dict) -> None:
     built = peak_gib()
     images = torch.randn(spec["per_rank"], 3, spec["size"], spec["size"], generator=torch.Generator().manual_seed(0))
     batch = {"image": images, **zero_counts()}  # image: (B, C, H, W)
+    if cfg.objective.kind == "data2vec2":  # its masks come from the data workers: (B, M, gh, gw)
+        masks = MaskStack(mask_generator(cfg), cfg.objective.num_masks)
+        batch["mask"] = torch.stack([masks() for _ in range(spec["per_rank"])])
     marks = []
 
     def batches():
@@ -102,7 +121,19 @@ def worker(spec: dict) -> None:
     train_until_done(cfg, engine, optimizer, batches(), dist=dist, run_dir=run_dir)
     steps = [b - a for a, b in zip(marks, marks[1:], strict=False)][1:]  # the first step pays for warm-up
     result = {"built_gib": built, "peak_gib": peak_gib(), "s_per_step": sorted(steps)[len(steps) // 2]}
+    result["teacher_gib"] = teacher_bytes(engine.module) / 2**30
     Path(spec["run_dir"], f"rank_{dist.rank}.json").write_text(json.dumps(result))
+
+
+def teacher_bytes(objective) -> int:
+    """Bytes of the EMA teacher's weights this rank holds (its ZeRO-3 partition, else all of it); 0 without one."""
+    from core.compat.deepspeed import is_zero3_param
+
+    teacher = getattr(objective, "teacher", None)
+    if teacher is None:
+        return 0
+    own = [p.ds_tensor if is_zero3_param(p) else p for p in teacher.parameters()]
+    return sum(t.numel() * t.element_size() for t in own)
 
 
 # ---------------------------------------------------------------- driver
@@ -139,15 +170,17 @@ def render(results: dict[str, list[dict]]) -> list[str]:
     base = min(r["peak_gib"] for r in results["ZeRO-0"]) if "ZeRO-0" in results else float("nan")
     lines = [
         "| configuration | peak RSS per rank, GiB (rank 0 / 1) | higher rank vs ZeRO-0's lower | peak once built, GiB "
-        "| s/step |",
-        "|---|---|---:|---:|---:|",
+        "| s/step | EMA teacher per rank, GiB |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for label, ranks in results.items():
         peak = max(r["peak_gib"] for r in ranks)
         per_rank = " / ".join(f"{r['peak_gib']:.2f}" for r in ranks)
         built = max(r["built_gib"] for r in ranks)
         step = max(r["s_per_step"] for r in ranks)
-        lines.append(f"| {label} | {per_rank} | {peak / base:.0%} | {built:.2f} | {step:.1f} |")
+        teacher = max(r.get("teacher_gib", 0.0) for r in ranks)
+        teacher_cell = f"{teacher:.3f}" if teacher else "-"
+        lines.append(f"| {label} | {per_rank} | {peak / base:.0%} | {built:.2f} | {step:.1f} | {teacher_cell} |")
     return lines
 
 
@@ -175,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, overrides, per_rank in CASES:
             if label in args.skip.split(";"):
                 continue
+            if args.model != "large" and DATA2VEC2[0] in overrides:  # the top 3/4 of the blocks, as ViT-L's 18 of 24
+                overrides = [*overrides, f"objective.top_k_blocks={VIT_SIZES[args.model]['depth'] * 3 // 4}"]
             results[label] = run_case(overrides, per_rank or args.per_rank, args, Path(scratch))
             print(f"[bench] {label}: peak {max(r['peak_gib'] for r in results[label]):.2f} GiB per rank", flush=True)
     import torch
@@ -190,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         f"python {platform.python_version()}",
         f"- model: MAE ViT-{args.model.capitalize()}/16 at {args.size} px (decoder 512 wide, 8 blocks), "
         f"{args.per_rank} images per rank unless the row says otherwise, bf16 autocast over fp32 weights, AdamW; "
-        f"{args.steps} steps each",
+        f"{args.steps} steps each; the data2vec 2.0 rows: recipes/data2vec2_vitl.yaml's objective (16 masked copies "
+        "of each image, a convolutional decoder, an EMA teacher as large as the encoder: its weights per rank in the "
+        "last column)",
         "- peak RSS: the process's ru_maxrss (all host memory it ever held, ~0.5 GiB of it libraries); malloc: "
         f"{'tcmalloc (as launch.sh)' if TCMALLOC.is_file() else 'glibc'}",
         f"- command: `{' '.join(['python', '-m', 'benchmarks.bench_memory', *sys.argv[1:]])}`",
