@@ -1,4 +1,5 @@
-"""Peak memory per rank of MAE (and data2vec 2.0) pretraining at each ZeRO stage: 2 processes (torchrun, gloo) on CPU, a few bf16 steps
+"""Peak memory per rank of MAE (and data2vec 2.0) pretraining at each ZeRO stage: 2 processes (torchrun, gloo) on
+CPU, a few bf16 steps
 of the real engine (`parallelize` + `train`) each, written as a table to benchmarks/results/memory.md.
 
     .venv/bin/python -m benchmarks.bench_memory           # MAE ViT-L/16, 224 px, 2 images per rank (make bench-memory)
@@ -76,8 +77,8 @@ def worker(spec: dict) -> None:
     from core.engine.distributed import init_distributed
     from core.engine.setup import parallelize
     from core.recipe.config import load_config
-    from data.pipeline import zero_counts
     from data.masking import MaskStack
+    from data.pipeline import zero_counts
     from pretrain.objectives import mask_generator, objective_builder
 
     world = int(os.environ["WORLD_SIZE"])
