@@ -221,6 +221,12 @@ class Data2Vec2(nn.Module):
             loss = loss + self.cls_loss_weight * loss_cls
         return {"loss": loss, "loss_tokens": loss_tokens.detach(), "loss_cls": loss_cls.detach()}
 
+    @torch.no_grad()
+    def teacher_targets(self, imgs: torch.Tensor) -> torch.Tensor:
+        """The teacher's targets for (B, C, H, W) images: (B, L, D) float32 (`make_targets` of its top blocks)."""
+        blocks, _ = self.teacher.forward_blocks(imgs, self.top_k_blocks)
+        return make_targets(blocks)
+
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One step's forward.
 
@@ -232,9 +238,7 @@ class Data2Vec2(nn.Module):
             channels and images: it falls towards 0 as the teacher collapses), "ema_decay"}: scalars.
         """
         imgs = batch["image"]
-        with torch.no_grad():
-            blocks, _ = self.teacher.forward_blocks(imgs, self.top_k_blocks)
-            target = make_targets(blocks)  # (B, L, D)
+        target = self.teacher_targets(imgs)  # (B, L, D)
         latent, ids = self.forward_encoder(imgs, batch["mask"])
         pred = self.forward_decoder(latent, ids)
         out = self.forward_loss(pred, latent, target, ids)

@@ -22,6 +22,7 @@ from core.engine.distributed import all_gather_rows
 from core.report.collapse import effective_rank, normalised_std
 from data.specs import resolve_shards, train_sources
 from pretrain.knn import embed, knn_monitor, monitor_loader, training_untouched
+from pretrain.target_monitor import target_monitor
 
 
 def feature_monitor(run, engine) -> Callable[..., dict[str, float]] | None:
@@ -83,11 +84,11 @@ def _feature_shards(cfg):
 
 
 def monitors(run, engine) -> Callable[[int], dict[str, float]] | None:
-    """The pretraining loop's `evaluate(step)`: the kNN monitor and the label-free one, each at its multiples of its
-    own `every_steps` and at the last step (the loop calls at the common divisor, `Config.eval_every_steps`); at a
+    """The pretraining loop's `evaluate(step)`: the kNN monitor and the label-free one (with it, the teacher targets'
+    effective rank of the latent-target objectives), each at its multiples of its own `every_steps` and at the last step (the loop calls at the common divisor, `Config.eval_every_steps`); at a
     step where both run on the same images, the label-free one reuses the kNN bank's features."""
     cfg = run.cfg
-    knn, features = knn_monitor(run, engine), feature_monitor(run, engine)
+    knn, features, targets = knn_monitor(run, engine), feature_monitor(run, engine), target_monitor(run, engine)
     if knn is None and features is None:
         return None
     reuse = features_are_knn_bank(cfg)
@@ -102,6 +103,8 @@ def monitors(run, engine) -> Callable[[int], dict[str, float]] | None:
             metrics |= knn(step, on_bank=bank.append if reuse else None)
         if features is not None and due(cfg.eval.features.every_steps, step):
             metrics |= features(step, bank[0] if bank else None)
+            if targets is not None:  # the teacher's targets, at the same cadence (pretrain/target_monitor.py)
+                metrics |= targets(step)
         return metrics
 
     return evaluate
