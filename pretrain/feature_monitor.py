@@ -85,8 +85,9 @@ def _feature_shards(cfg):
 
 def monitors(run, engine) -> Callable[[int], dict[str, float]] | None:
     """The pretraining loop's `evaluate(step)`: the kNN monitor and the label-free one (with it, the teacher targets'
-    effective rank of the latent-target objectives), each at its multiples of its own `every_steps` and at the last step (the loop calls at the common divisor, `Config.eval_every_steps`); at a
-    step where both run on the same images, the label-free one reuses the kNN bank's features."""
+    effective rank of the latent-target objectives), each at its multiples of its own `every_steps` and at the last
+    step (the loop calls at the common divisor, `Config.eval_every_steps`); at a step where both run on the same
+    images, the label-free one reuses the kNN bank's features."""
     cfg = run.cfg
     knn, features, targets = knn_monitor(run, engine), feature_monitor(run, engine), target_monitor(run, engine)
     if knn is None and features is None:
