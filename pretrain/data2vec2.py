@@ -55,16 +55,17 @@ class ConvDecoder(nn.Module):
         self.proj = nn.Linear(cfg.embed_dim, in_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(N, L, D) tokens in grid order -> (N, L, D) predictions."""
+        """(N, L, D) tokens in grid order -> (N, L, D) predictions.
+
+        The grid stays channels-last in memory throughout: the convolutions take and give channels-last tensors, the
+        LayerNorm over channels and the residual read them as they lie, with no transposed copy."""
         n, num_tokens, dim = x.shape
-        x = x.transpose(1, 2).reshape(n, dim, *self.grid)  # (N, D, gh, gw)
+        x = x.reshape(n, *self.grid, dim)  # (N, gh, gw, D), channels last
         for conv in self.convs:
-            y = conv(x)  # (N, Dd, gh, gw)
-            y = F.layer_norm(y.permute(0, 2, 3, 1), (y.shape[1],)).permute(0, 3, 1, 2)  # over channels, no affine
-            y = F.gelu(y)
+            y = conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (N, gh, gw, Dd): NCHW views of channels-last memory
+            y = F.gelu(F.layer_norm(y, (y.shape[-1],)))  # over channels, no affine
             x = y + x if y.shape == x.shape else y
-        x = x.flatten(2).transpose(1, 2)  # (N, L, Dd)
-        return self.proj(x)  # (N, L, D)
+        return self.proj(x.reshape(n, num_tokens, -1))  # (N, L, D)
 
 
 def make_targets(blocks: list[torch.Tensor]) -> torch.Tensor:
@@ -77,9 +78,14 @@ def make_targets(blocks: list[torch.Tensor]) -> torch.Tensor:
         (B, L, D): each block instance-normalised over the L tokens (per image and channel), their mean, then
         layer-normalised over D without affine.
     """
-    normed = [F.instance_norm(y.float().transpose(1, 2)).transpose(1, 2) for y in blocks]  # each (B, L, D)
-    mean = torch.stack(normed).mean(dim=0)  # (B, L, D)
+    mean = sum(_instance_norm(y.float()) for y in blocks) / len(blocks)  # (B, L, D)
     return F.layer_norm(mean, (mean.shape[-1],))
+
+
+def _instance_norm(y: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """(B, L, D) -> each image's channels standardised over its L tokens (biased variance, as `F.instance_norm`)."""
+    var, mean = torch.var_mean(y, dim=1, correction=0, keepdim=True)  # (B, 1, D) each
+    return (y - mean) * torch.rsqrt(var + eps)
 
 
 class Data2Vec2(nn.Module):
@@ -180,9 +186,10 @@ class Data2Vec2(nn.Module):
         mask = mask.reshape(b * m, -1)  # (N, L)
         ids = torch.argsort(mask.to(torch.int8), dim=1, stable=True)  # (N, L) visible first
         x = self.encoder.patch_embed(imgs) + patch_positions(self.encoder)  # (B, L, D): once per image
-        x = x.repeat_interleave(m, dim=0)  # (N, L, D): image b's copies at rows b*M .. b*M + M-1
-        keep = ids[:, : self.num_visible, None].expand(-1, -1, x.shape[-1])  # (N, V, D)
-        return forward_encoder(self.encoder, torch.gather(x, 1, keep)), ids
+        dim = x.shape[-1]
+        keep = ids[:, : self.num_visible].reshape(b, m, self.num_visible, 1).expand(-1, -1, -1, dim)  # (B, M, V, D)
+        visible = torch.gather(x[:, None].expand(-1, m, -1, -1), 2, keep)  # (B, M, V, D); the expand copies nothing
+        return forward_encoder(self.encoder, visible.flatten(0, 1)), ids  # copy j of image b at row b*M + j
 
     def forward_decoder(self, latent: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The visible tokens' latents back on the grid, the masked slots filled with N(0, mask_noise_std) noise,
@@ -208,16 +215,18 @@ class Data2Vec2(nn.Module):
             {"loss", "loss_tokens", "loss_cls"}: scalars.
         """
         n, num_tokens, dim = pred.shape
-        copies = n // target.shape[0]
-        masked = ids[:, self.num_visible :, None].expand(-1, -1, dim)  # (N, L - V, D)
-        target_n = target.repeat_interleave(copies, dim=0)  # (N, L, D)
-        err = torch.gather(pred.float(), 1, masked) - torch.gather(target_n, 1, masked)  # (N, L - V, D)
-        loss_tokens = err.pow(2).sum(dim=-1).mean() / math.sqrt(dim)
+        b = target.shape[0]
+        # Every token's error against its image's target (broadcast over the copies, not repeated), weighted by the
+        # mask: the same sum as over the gathered masked tokens, whose count is fixed (N x (L - V)).
+        masked = torch.ones_like(ids, dtype=torch.float32).scatter(1, ids[:, : self.num_visible], 0.0)  # (N, L)
+        err = pred.float().view(b, -1, num_tokens, dim) - target[:, None]  # (B, M, L, D)
+        per_token = err.pow(2).sum(dim=-1).view(n, num_tokens)  # (N, L)
+        loss_tokens = (per_token * masked).sum() / (n * (num_tokens - self.num_visible)) / math.sqrt(dim)
         loss = loss_tokens
         loss_cls = torch.zeros((), device=pred.device)
         if self.cls_loss_weight:
-            cls_target = target.mean(dim=1).repeat_interleave(copies, dim=0)  # (N, D)
-            loss_cls = (latent[:, 0].float() - cls_target).pow(2).sum(dim=-1).mean() / math.sqrt(dim)
+            cls_err = latent[:, 0].float().view(b, -1, dim) - target.mean(dim=1)[:, None]  # (B, M, D)
+            loss_cls = cls_err.pow(2).sum(dim=-1).mean() / math.sqrt(dim)
             loss = loss + self.cls_loss_weight * loss_cls
         return {"loss": loss, "loss_tokens": loss_tokens.detach(), "loss_cls": loss_cls.detach()}
 
