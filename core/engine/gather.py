@@ -3,7 +3,9 @@ checkpoint of any ZeRO stage: what core/export/folder.py's `export_state_dict` t
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,4 +50,32 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int) -> dict[s
         return weights
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    # DeepSpeed's conversion holds what the optimizer owns, and the frozen parameters only where ZeRO-2/3 saved their
+    # fragments: at ZeRO-1 MAE's fixed position embedding and an EMA teacher are in the module state alone.
+    for name, value in saved_frozen(ckpt_dir / tag).items():
+        if name not in weights:
+            weights[name] = value().float()
+    return weights
+
+
+def saved_frozen(tag_dir: Path) -> dict[str, Callable[[], torch.Tensor]]:
+    """{parameter name: a function returning its whole value} for the parameters a DeepSpeed checkpoint holds outside
+    the optimizer's partitions (frozen ones: MAE's fixed position embedding, an EMA teacher), at any ZeRO stage and
+    world size: ZeRO-3's per-rank frozen fragments concatenated in rank order (the padding cut), else the one model
+    file's frozen fragments (ZeRO-2) or its module state (ZeRO-0/1; it holds every parameter there). The files are
+    memory-mapped: a value is read when its function is called."""
+    ranked = sorted(tag_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=lambda p: int(p.name.split("_")[3]))
+    if ranked:
+        files = [torch.load(f, map_location="cpu", mmap=True, weights_only=False) for f in ranked]
+        shapes = files[0].get("frozen_param_shapes") or {}
+
+        def whole(name: str) -> torch.Tensor:
+            shape = torch.Size(shapes[name])
+            flat = torch.cat([f["frozen_param_fragments"][name].flatten() for f in files])
+            return flat[: shape.numel()].view(shape)
+
+        return {name: functools.partial(whole, name) for name in shapes}
+    state = torch.load(tag_dir / ds_compat.MODEL_STATES_FILE, map_location="cpu", mmap=True, weights_only=False)
+    values = {**(state.get("module") or {}), **(state.get("frozen_param_fragments") or {})}
+    return {name: functools.partial(lambda v: v, value) for name, value in values.items()}

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from core.compat.deepspeed import is_released, is_zero3_param
+from core.engine.gather import saved_frozen
 
 
 def has_teacher(objective: nn.Module) -> bool:
@@ -85,14 +86,14 @@ def restore_frozen(engine, tag_dir: Path) -> list[str]:
     Raises:
         ValueError: The checkpoint holds no value for one of the module's frozen parameters (another objective's).
     """
-    saved = _saved_frozen(tag_dir)
+    saved = saved_frozen(tag_dir)
     restored = []
     for name, param in engine.module.named_parameters():
         if param.requires_grad:
             continue
         if name not in saved:
             raise ValueError(f"checkpoint {tag_dir} has no {name} (written by another objective?)")
-        full = saved[name]()  # (numel,) flat, on the CPU
+        full = saved[name]().flatten()  # (numel,) on the CPU
         if is_zero3_param(param):
             part = param.ds_tensor
             rank, size = torch.distributed.get_rank(), part.numel()
@@ -105,34 +106,10 @@ def restore_frozen(engine, tag_dir: Path) -> list[str]:
     return restored
 
 
-def _saved_frozen(tag_dir: Path) -> dict:
-    """{parameter name: a function returning its whole value, flat} from the model files of `tag_dir`: ZeRO-3's
-    per-rank frozen fragments (concatenated in rank order, the padding cut), else the one model file's frozen
-    fragments (ZeRO-2) or module state (ZeRO-0/1)."""
-    ranked = sorted(tag_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=_dp_rank)
-    if ranked:
-        files = [torch.load(f, map_location="cpu", mmap=True, weights_only=False) for f in ranked]
-        shapes = files[0].get("frozen_param_shapes") or {}
-
-        def whole(name: str):
-            numel = int(torch.Size(shapes[name]).numel())
-            return torch.cat([f["frozen_param_fragments"][name].flatten() for f in files])[:numel]
-
-        return {name: (lambda n=name: whole(n)) for name in shapes}
-    state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", mmap=True, weights_only=False)
-    values = dict(state.get("module") or {})
-    values.update(state.get("frozen_param_fragments") or {})
-    return {name: (lambda v=value: v.flatten()) for name, value in values.items()}
-
-
-def _dp_rank(path: Path) -> int:
-    return int(path.name.split("_")[3])
-
-
 def saved_teacher_missing(engine, tag_dir: Path) -> list[str]:
     """The module's frozen parameters (its teacher) that checkpoint `tag_dir` does not hold: all of them for a
     checkpoint of an objective without a teacher."""
-    saved = _saved_frozen(tag_dir)
+    saved = saved_frozen(tag_dir)
     return [name for name, p in engine.module.named_parameters() if not p.requires_grad and name not in saved]
 
 
