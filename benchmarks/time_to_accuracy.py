@@ -1,0 +1,277 @@
+"""Time to accuracy (issue 50, part of `make bench-quality`): each objective's encoder measured at several points of
+its pretraining, against the CPU-seconds the pretraining had spent to get there, all on one machine in one run.
+
+    .venv/bin/python -m benchmarks.time_to_accuracy                         # MAE and data2vec 2.0, recipes/bench/
+    .venv/bin/python -m benchmarks.time_to_accuracy --scale 0.25            # a quarter of every pretraining
+
+Per objective O (recipes/bench/O.yaml): `./launch.sh` pretrains it with the monitors off and a checkpoint every
+1/`--points` of its steps, while a sampler reads the CPU time of the launch's whole process tree (launcher, rank,
+data workers) every `SAMPLE_S`; a checkpoint's CPU-seconds are the tree's at the time metrics.jsonl logged its step.
+Each checkpoint is exported (`python -m pretrain export --step`), then one `mimpipe evaluate` measures every export
+of every objective side by side: kNN top-1 and the L-BFGS linear probe on the class token and on the mean of the
+patch tokens. CPU-seconds, unlike wall time, barely move with what else the machine runs; the rows still compare
+only within one run. Everything is kept under ROOT (default runs/time_to_accuracy): a rerun skips a finished
+pretraining and an export already written.
+
+Writes benchmarks/results/time_to_accuracy.md (the table, the goals checked) and .png (both measures against
+CPU-seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from benchmarks.bench_quality import BENCH, scale_overrides
+from benchmarks.workers import write_result
+from core.recipe.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "time_to_accuracy.md"
+SAMPLE_S = 1.0
+NAMES = {"mae": "MAE", "data2vec2": "data2vec 2.0"}
+GOALS = (
+    "data2vec 2.0 reaches MAE's end-of-pretraining kNN and linear probe in at most a third of MAE's pretraining "
+    "CPU-seconds; at MAE's pretraining CPU-seconds its linear probe is at least 2 points above MAE's"
+)
+
+
+class TreeCPU:
+    """Samples (wall time, CPU-seconds of a process and all its descendants) until stopped. A descendant that ends
+    between two samples keeps its last reading, so a finished process's time is not lost."""
+
+    def __init__(self, pid: int):
+        self.root = psutil.Process(pid)
+        self.seen: dict[int, float] = {}
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> None:
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for proc in procs:
+            try:
+                cpu = proc.cpu_times()
+                self.seen[proc.pid] = cpu.user + cpu.system
+            except psutil.NoSuchProcess:
+                continue
+        self.samples.append((time.time(), sum(self.seen.values())))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._read()
+            self._stop.wait(SAMPLE_S)
+
+    def __enter__(self) -> TreeCPU:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, when: float) -> float:
+        """CPU-seconds at wall time `when`, interpolated between the samples around it."""
+        before = [s for s in self.samples if s[0] <= when] or self.samples[:1]
+        after = [s for s in self.samples if s[0] >= when] or self.samples[-1:]
+        (t0, c0), (t1, c1) = before[-1], after[0]
+        return c0 if t1 == t0 else c0 + (c1 - c0) * (when - t0) / (t1 - t0)
+
+
+def pretrain(objective: str, root: Path, args: argparse.Namespace) -> dict:
+    """Pretrain `objective` with checkpoints at `args.points` points; returns {step: CPU-seconds} (kept in
+    ROOT/O/cpu.json, so a finished pretraining is not run again)."""
+    run_dir = root / objective
+    done = run_dir / "cpu.json"
+    if done.is_file():
+        return {int(k): v for k, v in json.loads(done.read_text()).items()}
+    recipe = BENCH / f"{objective}.yaml"
+    scaled = dict(o.split("=", 1) for o in scale_overrides(recipe, args.scale))
+    steps = int(scaled.get("schedule.steps", load_config(recipe).schedule.steps))
+    every = max(1, steps // args.points)
+    overrides = [
+        *(f"{k}={v}" for k, v in scaled.items() if k.startswith("schedule.")),
+        f"run_dir={run_dir}",
+        f"seed={args.seed}",
+        f"data.train={args.shards / 'train'}",
+        "eval.knn.enabled=false",
+        "eval.features.enabled=false",
+        f"checkpoint.every_steps={every}",
+        f"checkpoint.keep_last={args.points + 1}",
+        f"logging.every_steps={every}",
+    ]
+    if objective == "data2vec2":
+        overrides.append(f"objective.ema.steps={steps}")  # the decay schedule spans the (scaled) run
+    env = {**os.environ, "NPROC_PER_NODE": "1", "HF_HUB_OFFLINE": "1", "PYTHON": sys.executable}
+    print(f"[time-to-accuracy] {objective}: ./launch.sh {recipe.relative_to(REPO)} {' '.join(overrides)}", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir.parent / f"{objective}.log", "w") as log:
+        proc = subprocess.Popen([str(REPO / "launch.sh"), str(recipe), *overrides], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        with TreeCPU(proc.pid) as sampler:
+            code = proc.wait()
+    if code != 0:
+        raise RuntimeError(f"{objective}'s pretraining failed (exit {code}): {run_dir.parent / f'{objective}.log'}")
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cpu = {r["step"]: sampler.at(r["time"]) for r in logged if "train/loss" in r and r["step"] % every == 0}
+    done.write_text(json.dumps(cpu))
+    return cpu
+
+
+def export_points(objective: str, root: Path, steps: list[int]) -> list[Path]:
+    """Each checkpoint's encoder as an export (`python -m pretrain export --step`), written once."""
+    outs = []
+    for step in steps:
+        out = root / "exports" / f"{objective}_step{step:06d}"
+        if not (out / "model.safetensors").is_file():
+            command = [sys.executable, "-m", "pretrain", "export", str(root / objective), "--step", str(step)]
+            subprocess.run([*command, "--out", str(out)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        outs.append(out)
+    return outs
+
+
+def evaluate(exports: list[Path], root: Path, args: argparse.Namespace) -> dict[str, dict]:
+    """One `mimpipe evaluate` of every export: {export folder name: its metrics}."""
+    out = root / "evaluate"
+    command = [str(Path(sys.executable).parent / "mimpipe"), "evaluate", *map(str, exports)]
+    command += ["--train", str(args.shards / "train"), "--val", str(args.shards / "test"), "--suite", "knn,linear"]
+    command += ["--max-train", str(args.max_train), "--max-val", str(args.max_val), "--num-workers", "0"]
+    subprocess.run([*command, "--out", str(out)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    return {Path(row["checkpoint"]).name: row["metrics"] for row in rows}
+
+
+def curves(cpu: dict[str, dict[int, float]], metrics: dict[str, dict]) -> dict[str, list[dict]]:
+    """Per objective, its points in step order: step, CPU-seconds, kNN top-1, probe (cls, mean, the better)."""
+    out = {}
+    for objective, points in cpu.items():
+        rows = []
+        for step, seconds in sorted(points.items()):
+            m = metrics[f"{objective}_step{step:06d}"]
+            cls, mean = m["linear/top1_cls"], m["linear/top1_mean"]
+            rows.append({"step": step, "cpu_s": seconds, "knn": m["knn/top1"], "cls": cls, "mean": mean,
+                         "probe": max(cls, mean)})  # fmt: skip
+        out[objective] = rows
+    return out
+
+
+def value_at(rows: list[dict], key: str, cpu_s: float) -> float | None:
+    """`key` interpolated at `cpu_s` along the points, None outside them."""
+    for a, b in zip(rows, rows[1:], strict=False):
+        if a["cpu_s"] <= cpu_s <= b["cpu_s"]:
+            return a[key] + (b[key] - a[key]) * (cpu_s - a["cpu_s"]) / (b["cpu_s"] - a["cpu_s"])
+    return rows[-1][key] if rows and abs(rows[-1]["cpu_s"] - cpu_s) < 1e-9 else None
+
+
+def time_to(rows: list[dict], key: str, level: float) -> float | None:
+    """The CPU-seconds of the first point at or above `level` of `key`, None if none reaches it."""
+    return next((r["cpu_s"] for r in rows if r[key] >= level), None)
+
+
+def goal_lines(found: dict[str, list[dict]]) -> list[str]:
+    """The issue's goals, checked on the measured curves (MAE's end is its last point)."""
+    mae, d2v = found.get("mae"), found.get("data2vec2")
+    if not (mae and d2v):
+        return ["- goals need both MAE and data2vec 2.0 rows"]
+    end = mae[-1]
+    lines = []
+    for key, what in (("knn", "kNN top-1"), ("probe", "linear probe (better pooling)")):
+        reached = time_to(d2v, key, end[key])
+        share = "never, within its run" if reached is None else f"{reached:.0f} CPU-s = {reached / end['cpu_s']:.2f}x"
+        verdict = "met" if reached is not None and reached <= end["cpu_s"] / 3 else "not met"
+        lines.append(f"- data2vec 2.0 reaches MAE's end {what} ({end[key]:.4f} at {end['cpu_s']:.0f} CPU-s): {share} "
+                     f"of MAE's time (goal <= 0.33x: {verdict})")  # fmt: skip
+    probe = value_at(d2v, "probe", end["cpu_s"])
+    if probe is None:
+        lines.append("- at MAE's pretraining CPU-seconds: data2vec 2.0's run does not reach that far")
+    else:
+        gain = 100 * (probe - end["probe"])
+        verdict = "met" if gain >= 2 else "not met"
+        lines.append(f"- at MAE's pretraining CPU-seconds: data2vec 2.0's linear probe {probe:.4f} against MAE's "
+                     f"{end['probe']:.4f} ({gain:+.1f} points; goal >= +2: {verdict})")  # fmt: skip
+    return lines
+
+
+def render(found: dict[str, list[dict]], args: argparse.Namespace, picture: str) -> str:
+    lines = [
+        "# Time to accuracy: MAE and data2vec 2.0 on one machine, one run",
+        "",
+        f"- command: `python -m benchmarks.time_to_accuracy {' '.join(args.argv)}`",
+        f"- machine: {os.cpu_count()} cores; CPU-seconds of the pretraining's whole process tree (launcher, rank, data "
+        "workers), start-up included; monitors off during pretraining",
+        f"- measured: `mimpipe evaluate --suite knn,linear`, {args.max_train} training / {args.max_val} test images, "
+        "every export side by side",
+        f"- goals: {GOALS}",
+        "",
+        "| objective | step | pretraining CPU-s | kNN top-1 | probe cls | probe mean |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for objective, rows in found.items():
+        for r in rows:
+            lines.append(f"| {NAMES.get(objective, objective)} | {r['step']} | {r['cpu_s']:.0f} | {r['knn']:.4f} | "
+                         f"{r['cls']:.4f} | {r['mean']:.4f} |")  # fmt: skip
+    return "\n".join([*lines, "", *goal_lines(found), "", picture, ""])
+
+
+def plot(found: dict[str, list[dict]], path: Path) -> str:
+    """kNN top-1 and the linear probe against pretraining CPU-seconds, one line per objective; the markdown line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in zip(
+        axes, ("knn", "probe"), ("kNN top-1", "linear probe top-1 (better pooling)"), strict=True
+    ):
+        for objective, rows in found.items():
+            ax.plot([r["cpu_s"] for r in rows], [r[key] for r in rows], marker="o", label=NAMES.get(objective))
+        ax.set_xlabel("pretraining CPU-seconds")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"![kNN and linear probe against pretraining CPU-seconds]({path.name})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--objectives", default="mae,data2vec2", help="recipes/bench/ names (default: %(default)s)")
+    p.add_argument("--points", type=int, default=5, help="checkpoints measured per pretraining (default 5)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every pretraining's steps (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-train", type=int, default=10000, help="training images of kNN and probe (default 10000)")
+    p.add_argument("--max-val", type=int, default=2000, help="test images scored (default 2000)")
+    p.add_argument("--shards", type=Path, default=REPO / "shards" / "quickstart", help="holds train/ and test/")
+    p.add_argument("--root", type=Path, default=REPO / "runs" / "time_to_accuracy")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    args.argv = argv
+    if not 0 < args.scale <= 1 or args.points < 2:
+        p.error("--scale must be in (0, 1] and --points at least 2")
+    objectives = [o for o in args.objectives.split(",") if o]
+    cpu = {o: pretrain(o, args.root, args) for o in objectives}
+    exports = [e for o in objectives for e in export_points(o, args.root, sorted(cpu[o]))]
+    found = curves(cpu, evaluate(exports, args.root, args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    picture = plot(found, args.out.with_suffix(".png"))
+    write_result(render(found, args, picture), args.out, "time-to-accuracy")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
