@@ -1,12 +1,14 @@
 """`engine.compile_scope: objective`: the objective's whole training step in one graph (core/engine/compiled.py
 `compile_objective`), counted through a torch.compile backend that runs graphs as AOT autograd traced them: one
-forward and one backward graph, no graph break, for MAE, BEiT-style, SimMIM and classification; the same losses and
-gradients as eager; eager at any other batch, in evaluation and in deep copies; DeepSpeed's module hooks outside the
-graph (through `parallelize`); and `engine.compile: auto`."""
+forward and one backward graph, no graph break, for MAE, BEiT-style, SimMIM, data2vec 2.0 (its EMA teacher's pass
+inside, under no_grad) and classification; the same losses and gradients as eager; eager at any other batch, in
+evaluation and in deep copies; DeepSpeed's module hooks outside the graph (through `parallelize`); and
+`engine.compile: auto`."""
 
 from __future__ import annotations
 
 import copy
+import random
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,10 @@ from core.engine.compiled import (
 )
 from core.engine.setup import parallelize
 from core.recipe.config import ConfigError, load_config
+from core.recipe.teacher_sections import ConvDecoderConfig, EMASchedule
+from data.masking import InverseBlockMaskGenerator, MaskStack
+from pretrain.data2vec2 import Data2Vec2
+from tests.helpers.models import tiny_vit
 from tests.unit.test_compiled import OBJECTIVES, GraphCounter, _images, _mae, _train_step
 
 STEPS = 3
@@ -37,7 +43,22 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-BUILDS = {"mae": (_mae, lambda b: {"image": _images(b)}), **OBJECTIVES}
+def _data2vec2() -> Data2Vec2:
+    decoder = ConvDecoderConfig(embed_dim=16, groups=4, num_layers=2)
+    return Data2Vec2(tiny_vit(0).train(), tiny_vit(1), ema=EMASchedule(), decoder=decoder, top_k_blocks=2, num_masked=8)
+
+
+def _copies(batch: int, num_masks: int = 2) -> torch.Tensor:
+    """(B, M, 4, 4) inverse block masks as the data workers make them: 8 of 16 tokens masked in every copy."""
+    masks, rng = MaskStack(InverseBlockMaskGenerator((4, 4), 0.5, block_size=2), num_masks), random.Random(batch)
+    return torch.stack([masks(rng) for _ in range(batch)])
+
+
+BUILDS = {
+    "mae": (_mae, lambda b: {"image": _images(b)}),
+    "data2vec2": (_data2vec2, lambda b: {"image": _images(b), "mask": _copies(b)}),
+    **OBJECTIVES,
+}
 
 
 def _steps(objective, batch, seeds=range(STEPS)) -> torch.Tensor:
@@ -62,6 +83,29 @@ def test_the_whole_step_is_one_graph_with_no_break_and_eager_losses_and_gradient
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters(), strict=True):
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_data2vec2s_teacher_runs_inside_the_one_graph_under_no_grad():
+    """The teacher's pass (once per image, B rows) is traced into the step's one graph between a switch of grad mode
+    off and on, not run eagerly beside it."""
+    counter, inputs, grad_modes = GraphCounter(), [], []
+
+    def backend(gm, example_inputs):
+        inputs.extend(node.target for node in gm.graph.nodes if node.op == "placeholder")
+        grad_modes.extend(node.args for node in gm.graph.nodes if node.target is torch._C._set_grad_enabled)
+        return counter(gm, example_inputs)
+
+    objective = _data2vec2()
+    compile_objective(objective, 8, backend=backend)
+    out = objective({"image": _images(8), "mask": _copies(8)})
+    out["loss"].backward()
+    assert (counter.graphs, counter.backward_graphs, counter.calls) == (1, 1, 1)
+    assert dict(counters["graph_break"]) == {}
+    assert grad_modes == [(False,), (True,)]  # the teacher's `with torch.no_grad()`, inside the graph
+    teacher_inputs = [name for name in inputs if "_modules_teacher_" in name]
+    assert any("patch_embed" in name for name in teacher_inputs)
+    assert any("blocks_modules_1_" in name for name in teacher_inputs)  # its top block, the target's
+    assert all(p.grad is None for p in objective.teacher.parameters())
 
 
 def test_other_batches_evaluation_and_copies_run_eagerly_and_names_stay():
