@@ -35,7 +35,11 @@ def pretrain_manifest(cfg: Config, *, step: int, source: str, objective_keys: It
     prefix = exported_prefix(cfg)
     return {
         "not_exported": sorted(k for k in objective_keys if not k.startswith(prefix)),
-        "encoder": "teacher" if prefix.startswith("teacher") else "student",
+        **(
+            {"encoder": "teacher" if prefix.startswith("teacher") else "student"}
+            if hasattr(cfg.objective, "export")
+            else {}
+        ),
         "method": cfg.objective.kind,
         "step": step,
         "source": source,

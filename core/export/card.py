@@ -37,7 +37,7 @@ from data.quickstart import SYNTHETIC_WARNING
 
 CARD_NAME = "README.md"
 """The card's file name inside an export folder (the Hub shows a repo's README.md as its card)."""
-PRETRAINING = ("mae", "beit", "simmim")
+PRETRAINING = ("mae", "beit", "simmim", "data2vec2")
 EVALUATION = "Evaluation"
 USE = "Use it in timm"
 ORDER = ("Use it in timm", "Model", "Training", EVALUATION, "Monitors", "Recipe", "Files", "License")
@@ -77,7 +77,7 @@ LICENSE_TEXT = (
     "`license_name` and `license_link`) before publishing. The weights carry the terms of the data they were trained "
     "on, and of the weights they started from."
 )
-METHOD_NAMES = {"mae": "MAE", "beit": "BEiT", "simmim": "SimMIM"}
+METHOD_NAMES = {"mae": "MAE", "beit": "BEiT", "simmim": "SimMIM", "data2vec2": "data2vec 2.0"}
 FILES = {
     "config.json": "timm's configuration: architecture, its arguments, preprocessing",
     "model.safetensors": "the weights (safetensors, no pickle)",
@@ -202,6 +202,11 @@ def training_section(manifest: dict, run: dict, recipe: dict, facts: RunFacts | 
     objective = recipe.get("objective") or {}
     settings = ", ".join(f"{k} {_value(v)}" for k, v in flatten(objective).items() if k != "kind")
     lines.append(f"- Objective: `{objective.get('kind')}`" + (f" ({settings})" if settings else ""))
+    if manifest.get("encoder"):  # an objective with an EMA teacher: which of its two encoders this is
+        lines.append(
+            f"- Encoder: the {manifest['encoder']} of the student and its EMA teacher; timm's pre-norm blocks (the "
+            "data2vec 2.0 paper's are post-LN)"
+        )
     init = (recipe.get("model") or {}).get("init")
     lines.append(f"- Started from: `{init}`" if init else "- Started from: random initialisation")
     for source in facts.data if facts else _recipe_sources(recipe):
