@@ -5,6 +5,7 @@ from __future__ import annotations
 from core.engine.distributed import DistInfo
 from core.engine.setup import resolve_attention
 from core.recipe.config import Config
+from core.recipe.objective_kinds import copies_note
 from core.recipe.sections import TrainSource
 from data.quickstart import SYNTHETIC_WARNING
 from data.specs import dataset_size, describe_shards
@@ -32,12 +33,13 @@ def launch_plan(
         f" (~{total_steps * cfg.data.global_batch_size / samples:.2f} epochs of {samples} samples)" if samples else ""
     )
     precision = f"{cfg.engine.precision} ({precision_reason})" if precision_reason else cfg.engine.precision
+    copies = copies_note(cfg.objective, per_device)
     plan = (
         f"[mimpipe] stage {cfg.stage} | objective {cfg.objective.kind} | run_dir {cfg.run_dir}\n"
         f"[mimpipe] world size {dist.world_size} on {dist.device.type} | ZeRO-{cfg.engine.zero_stage} | "
         f"precision {precision} | attention {resolve_attention(cfg.engine.attention, dist.device)}\n"
         f"[mimpipe] global batch {cfg.data.global_batch_size} = {per_device} per device x "
-        f"{cfg.engine.grad_accum_steps} accumulation x {dist.world_size} ranks\n"
+        f"{cfg.engine.grad_accum_steps} accumulation x {dist.world_size} ranks{copies}\n"
         f"[mimpipe] lr {cfg.peak_lr:.4g} ({rule}), min {cfg.optim.min_lr:g}, warmup {warmup_steps} of "
         f"{total_steps} steps{epochs}"
     )

@@ -22,6 +22,7 @@ from core.launch.lease import TAKE_OVER_FLAG
 from core.launch.preflight import StageChecks, preflight
 from core.launch.rundir import ALLOW_FLAG
 from core.recipe.config import ConfigError, dump_config, load_config
+from core.recipe.objective_kinds import copies_note
 
 # The module launch.sh runs for each `stage` (the tokenizer is trained by the pretraining entry point).
 STAGE_MODULES = {"pretrain": "pretrain", "tokenizer": "pretrain", "finetune": "finetune"}
@@ -172,10 +173,12 @@ def check_launch(argv: list[str] | None, stages: Mapping[str, Callable[[], Stage
         return 0  # nothing on stdout: launch.sh starts no process
     if args.dry_run:
         print(dump_config(cfg), file=sys.stderr)
+    copies = copies_note(cfg.objective, per_device)
     print(
         f"[mimpipe] plan: {topo.describe()}; {args.launcher}\n"
         f"[mimpipe] plan: global batch {cfg.data.global_batch_size} = {per_device} per device x "
-        f"{cfg.engine.grad_accum_steps} accumulation x {topo.world_size} ranks, lr {cfg.peak_lr:.4g}, "
+        f"{cfg.engine.grad_accum_steps} accumulation x {topo.world_size} ranks{copies}, "
+        f"lr {cfg.peak_lr:.4g}, "
         f"ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision} ({findings.precision.reason})\n"
         f"[mimpipe] pre-flight: {'; '.join(findings.passed)}",
         file=sys.stderr,

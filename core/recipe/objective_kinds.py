@@ -32,3 +32,12 @@ OBJECTIVES_BY_STAGE = {
     "finetune": ("classification", "segmentation"),
     "tokenizer": ("vqvae",),
 }
+
+
+def copies_note(objective, per_device: int) -> str:
+    """ ", each image seen 16 times: the student's batch is 4096 per device" for an objective that masks each image
+    several times (data2vec 2.0's `num_masks`), for the plan lines; "" for the others."""
+    copies = getattr(objective, "num_masks", 1)
+    if copies == 1:
+        return ""
+    return f", each image seen {copies} times: the student's batch is {per_device * copies} per device"
