@@ -107,6 +107,14 @@ def scale_overrides(recipe: Path, scale: float) -> list[str]:
     return out
 
 
+def write_label_subsets(shards: Path, subsets: Path) -> None:
+    """The fine-tuning arms' label subsets (the first N of each class of the training shards), written once."""
+    for _, per_class in (v for v in FINETUNE.values() if v[1]):
+        out = subsets / f"train_{per_class}_per_class"
+        if not (out / "index.json").is_file():
+            write_per_class_subset(str(shards / "train"), str(out), per_class)
+
+
 def plan(
     root: Path, *, objectives: list[str], seeds: list[int], shards: Path, subsets: Path, scale: float
 ) -> list[Arm]:
@@ -118,9 +126,9 @@ def plan(
         for encoder in ["scratch", *objectives]:
             export = base / encoder / "pretrain" / "export" if encoder != "scratch" else None
             if objective_of(encoder) == "beit":
-                arms.append(_launched("tokenizer", base / encoder / "tokenizer", "tokenizer", seed, data, scale))
+                arms.append(launched_arm("tokenizer", base / encoder / "tokenizer", "tokenizer", seed, data, scale))
             if export is not None:
-                arm = _launched("pretrain", export.parent, encoder, seed, data, scale)
+                arm = launched_arm("pretrain", export.parent, encoder, seed, data, scale)
                 if objective_of(encoder) == "beit":
                     target = base / encoder / "tokenizer" / "export"
                     arm = Arm(
@@ -130,7 +138,7 @@ def plan(
             init = (f"model.init={export}",) if export else ()
             for name, (recipe, per_class) in FINETUNE.items():
                 train = subsets / f"train_{per_class}_per_class" if per_class else data["train"]
-                arm = _launched("finetune", base / encoder / name, recipe, seed, {**data, "train": train}, scale)
+                arm = launched_arm("finetune", base / encoder / name, recipe, seed, {**data, "train": train}, scale)
                 arms.append(Arm(arm.kind, arm.run_dir, arm.recipe, (*arm.overrides, *init), export))
             max_train = max(2000, round(PROBE_TRAIN_SAMPLES * scale)) if scale < 1 else None
             probe_args = (*_data_overrides("finetune", data), f"seed={seed}", *init)
@@ -151,7 +159,8 @@ def variant_lines(encoders: list[str]) -> list[str]:
     return lines
 
 
-def _launched(kind: str, run_dir: Path, recipe: str, seed: int, data: dict[str, Path], scale: float) -> Arm:
+def launched_arm(kind: str, run_dir: Path, recipe: str, seed: int, data: dict[str, Path], scale: float) -> Arm:
+    """The arm that runs recipes/bench/`recipe` into `run_dir` on `data` ("train", "test"), scaled by `scale`."""
     path = BENCH / f"{recipe}.yaml"
     overrides = (f"run_dir={run_dir}", f"seed={seed}", *_data_overrides(kind, data), *scale_overrides(path, scale))
     return Arm(kind, run_dir, path, overrides)
@@ -231,10 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--scale must be in (0, 1], got {args.scale}")
     seeds = [int(s) for s in args.seeds.split(",") if s]
 
-    for _, per_class in (v for v in FINETUNE.values() if v[1]):
-        out = args.subsets / f"train_{per_class}_per_class"
-        if not (out / "index.json").is_file():
-            write_per_class_subset(str(args.shards / "train"), str(out), per_class)
+    write_label_subsets(args.shards, args.subsets)
     arms = plan(
         args.root, objectives=objectives, seeds=seeds, shards=args.shards, subsets=args.subsets, scale=args.scale
     )

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.bench_quality import BENCH, scale_overrides
+from benchmarks.bench_quality import BENCH, FINETUNE, launched_arm, run_arm, scale_overrides, write_label_subsets
+from benchmarks.quality_report import RESULT_FILE
 from benchmarks.workers import write_result
 from core.recipe.config import load_config
 
@@ -203,7 +204,55 @@ def goal_lines(found: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-def render(found: dict[str, list[dict]], args: argparse.Namespace, picture: str) -> str:
+def finetune_encoders(found: dict[str, list[dict]], root: Path) -> dict[str, Path]:
+    """The encoders fine-tuned on 1%, 10% and all labels: each objective's last export, and data2vec 2.0's at MAE's
+    pretraining CPU-seconds (its last point at or before them), the issue's comparison at equal time."""
+    chosen = {o: root / "exports" / f"{o}_step{rows[-1]['step']:06d}" for o, rows in found.items()}
+    if "mae" in found and "data2vec2" in found:
+        budget = found["mae"][-1]["cpu_s"]
+        within = [r for r in found["data2vec2"] if r["cpu_s"] <= budget]
+        if within and within[-1] is not found["data2vec2"][-1]:
+            chosen["data2vec2@mae_time"] = root / "exports" / f"data2vec2_step{within[-1]['step']:06d}"
+    return chosen
+
+
+def finetune(encoders: dict[str, Path], root: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """recipes/bench/finetune_{1pct,10pct,full}.yaml from each encoder (bench_quality's arms, same subsets and
+    steps): {encoder: {arm: test top-1}}; an arm already run is read back."""
+    write_label_subsets(args.shards, args.subsets)
+    data = {"train": args.shards / "train", "test": args.shards / "test"}
+    out: dict[str, dict[str, float]] = {}
+    for label, export in encoders.items():
+        for name, (recipe, per_class) in FINETUNE.items():
+            train = args.subsets / f"train_{per_class}_per_class" if per_class else data["train"]
+            run_dir = root / "finetune" / label.replace("@", "_at_") / name
+            arm = launched_arm("finetune", run_dir, recipe, args.seed, {**data, "train": train}, args.finetune_scale)
+            arm = type(arm)(arm.kind, arm.run_dir, arm.recipe, (*arm.overrides, f"model.init={export}"), export)
+            if run_arm(arm, timeout=6 * 3600) in ("done", "ran"):
+                result = json.loads((run_dir / RESULT_FILE).read_text())
+                out.setdefault(label, {})[name] = result["metrics"]["top1"]
+    return out
+
+
+def finetune_lines(tuned: dict[str, dict[str, float]], found: dict[str, list[dict]]) -> list[str]:
+    """The fine-tuning table, and the goal at equal pretraining time."""
+    lines = ["| encoder | 1% (60/class) | 10% (600/class) | full (60k) |", "|---|---:|---:|---:|"]
+    for label, arms in tuned.items():
+        cells = " | ".join(f"{arms[a]:.4f}" if a in arms else "-" for a in FINETUNE)
+        lines.append(f"| {label} | {cells} |")
+    at_time = tuned.get("data2vec2@mae_time")
+    if at_time is None and found.get("data2vec2") and found.get("mae"):  # its whole run within MAE's time
+        within = found["data2vec2"][-1]["cpu_s"] <= found["mae"][-1]["cpu_s"]
+        at_time = tuned.get("data2vec2") if within else None
+    if "mae" in tuned and at_time and "ft_1pct" in tuned["mae"] and "ft_1pct" in at_time:
+        gain = 100 * (at_time["ft_1pct"] - tuned["mae"]["ft_1pct"])
+        verdict = "met" if gain >= 0 else "not met"
+        lines += ["", f"- 1% fine-tuning at MAE's pretraining CPU-seconds: data2vec 2.0 {gain:+.1f} points against MAE "
+                  f"(goal >= 0: {verdict})"]  # fmt: skip
+    return lines
+
+
+def render(found: dict[str, list[dict]], args: argparse.Namespace, picture: str, tuned: dict) -> str:
     lines = [
         "# Time to accuracy: MAE and data2vec 2.0 on one machine, one run",
         "",
@@ -221,7 +270,9 @@ def render(found: dict[str, list[dict]], args: argparse.Namespace, picture: str)
         for r in rows:
             lines.append(f"| {NAMES.get(objective, objective)} | {r['step']} | {r['cpu_s']:.0f} | {r['knn']:.4f} | "
                          f"{r['cls']:.4f} | {r['mean']:.4f} |")  # fmt: skip
-    return "\n".join([*lines, "", *goal_lines(found), "", picture, ""])
+    tuning = ["", "## Fine-tuning (recipes/bench/finetune_*.yaml, test top-1 at the last step)", "", *finetune_lines(
+        tuned, found)] if tuned else []  # fmt: skip
+    return "\n".join([*lines, "", *goal_lines(found), *tuning, "", picture, ""])
 
 
 def plot(found: dict[str, list[dict]], path: Path) -> str:
@@ -259,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=Path, default=REPO / "shards" / "quickstart", help="holds train/ and test/")
     p.add_argument("--root", type=Path, default=REPO / "runs" / "time_to_accuracy")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--subsets", type=Path, default=REPO / "shards" / "bench", help="label subsets written here")
+    p.add_argument("--finetune-scale", type=float, default=1.0, help="multiply the fine-tuning arms' steps")
+    p.add_argument("--no-finetune", action="store_true", help="measure the pretraining points only")
     args = p.parse_args(argv)
     args.argv = argv
     if not 0 < args.scale <= 1 or args.points < 2:
@@ -269,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     found = curves(cpu, evaluate(exports, args.root, args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     picture = plot(found, args.out.with_suffix(".png"))
-    write_result(render(found, args, picture), args.out, "time-to-accuracy")
+    write_result(render(found, args, picture, {}), args.out, "time-to-accuracy")  # before the fine-tuning's hours
+    if not args.no_finetune:
+        tuned = finetune(finetune_encoders(found, args.root), args.root, args)
+        write_result(render(found, args, picture, tuned), args.out, "time-to-accuracy")
     return 0
 
 
