@@ -150,11 +150,15 @@ bench-resume: install
 bench-startup: quickstart-data
 	$(PY) -m benchmarks.bench_startup $(STARTUP_ARGS)
 
-# Representation quality (issue 14): MAE, BEiT-style, ViT-paper MPP and SimMIM pretraining of one ViT, then 1% / 10% /
-# full-label fine-tuning and an L-BFGS linear probe of each encoder and of scratch (recipes/bench/): hours on 2 cores,
-# resumable (a finished arm is skipped). benchmarks/results/quality.md + quality.png. QUALITY_ARGS: e.g. --scale 0.02.
+# Representation quality (issue 14): MAE, BEiT-style, ViT-paper MPP, SimMIM and data2vec 2.0 pretraining of one ViT,
+# then 1% / 10% / full-label fine-tuning and an L-BFGS linear probe of each encoder and of scratch (recipes/bench/):
+# hours on 2 cores, resumable (a finished arm is skipped). benchmarks/results/quality.md + quality.png. Then time to
+# accuracy (issue 50): MAE and data2vec 2.0 measured at 5 points of their pretraining against its CPU-seconds, side by
+# side, and fine-tuned (about 2 hours): benchmarks/results/time_to_accuracy.md + .png. QUALITY_ARGS: e.g. --scale
+# 0.02; TTA_ARGS: e.g. --scale 0.05 --finetune-scale 0.05.
 bench-quality: quickstart-data
 	$(PY) -m benchmarks.bench_quality --shards $(SHARDS) $(QUALITY_ARGS)
+	$(PY) -m benchmarks.time_to_accuracy --shards $(SHARDS) $(TTA_ARGS)
 
 # The label-free and few-shot monitors (issue 30): MAE's and SimMIM's bench-quality pretraining with them on, each
 # against kNN top-1 step by step, and their cost to the quickstart's pretraining (with/without, side by side): about
