@@ -46,7 +46,7 @@ def follow_student(objective: nn.Module, weight: float | torch.Tensor) -> None:
         if is_zero3_param(t):
             teacher.append(t.ds_tensor)
             student.append(s.ds_tensor)
-            if not is_released(t) and not is_released(s) and t.numel() == t.ds_numel:  # kept gathered: both copies
+            if _gathered_copy(t) and not is_released(s):  # kept gathered: both copies
                 teacher.append(t.data)
                 student.append(s.data)
         else:
@@ -59,6 +59,17 @@ def follow_student(objective: nn.Module, weight: float | torch.Tensor) -> None:
         torch._foreach_lerp_(teacher, student, weight.to(teacher[0].device, torch.float32))
     else:
         torch._foreach_lerp_(teacher, student, float(weight))
+
+
+def _gathered_copy(param: torch.Tensor) -> bool:
+    """Whether ZeRO-3 keeps `param` gathered in a tensor of its own beside the rank's partition (a parameter below
+    `stage3_param_persistence_threshold`), which the forward reads. At world size 1 the gathered tensor is the
+    partition itself: updated once, through the partition."""
+    return (
+        not is_released(param)
+        and param.numel() == param.ds_numel
+        and param.data.untyped_storage().data_ptr() != param.ds_tensor.untyped_storage().data_ptr()
+    )
 
 
 def teacher_hook(engine):
@@ -100,6 +111,8 @@ def restore_frozen(engine, tag_dir: Path) -> list[str]:
             piece = full[rank * size : (rank + 1) * size]
             part.zero_()
             part[: piece.numel()].copy_(piece)
+            if _gathered_copy(param):  # the copy the next forward reads: DeepSpeed gathered it before this load
+                param.data.copy_(full.view_as(param))
         else:
             param.data.copy_(full.view_as(param))
         restored.append(name)
