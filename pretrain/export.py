@@ -1,7 +1,7 @@
-"""`python -m pretrain export RUN_DIR [--step N] [--out DIR] [--push-to-hub ORG/NAME [--private]]`: export a
-checkpoint's encoder, consolidated from any ZeRO stage, in timm's Hugging Face layout (config.json + model.safetensors
-+ mimpipe.json + the README.md model card), and upload it to a Hub repo. The push is checked (network, token) before
-anything is read."""
+"""`python -m pretrain export RUN_DIR [--step N] [--out DIR] [--encoder student|teacher] [--push-to-hub ORG/NAME
+[--private]]`: export a checkpoint's encoder (an EMA teacher objective's student or teacher), consolidated from any
+ZeRO stage, in timm's Hugging Face layout (config.json + model.safetensors + mimpipe.json + the README.md model card),
+and upload it to a Hub repo. The push is checked (network, token) before anything is read."""
 
 from __future__ import annotations
 
@@ -20,6 +20,19 @@ def exported_prefix(cfg: Config) -> str:
     """Where the exported encoder sits in the objective's state dict: the student (`encoder.`), or the EMA teacher
     (`teacher.encoder.`) where the recipe exports it (`objective.export: teacher`)."""
     return "teacher.encoder." if getattr(cfg.objective, "export", "student") == "teacher" else "encoder."
+
+
+def choose_encoder(cfg: Config, encoder: str | None) -> None:
+    """`--encoder student|teacher` over the checkpoint's `objective.export`, in place.
+
+    Raises:
+        ValueError: `--encoder` for an objective without an EMA teacher.
+    """
+    if encoder is None:
+        return
+    if not hasattr(cfg.objective, "export"):
+        raise ValueError(f"--encoder {encoder}: objective {cfg.objective.kind} has one encoder and no EMA teacher")
+    cfg.objective.export = encoder
 
 
 def exported_encoder(cfg: Config, state: dict) -> dict:
@@ -56,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/export)")
     parser.add_argument("--push-to-hub", metavar="ORG/NAME", help="upload the export to this Hugging Face Hub repo")
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    parser.add_argument(
+        "--encoder", choices=("student", "teacher"), help="an objective with an EMA teacher: which encoder to export "
+        "(default: the recipe's objective.export)"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.private and not args.push_to_hub:
         parser.error("--private needs --push-to-hub ORG/NAME")
@@ -74,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (ckpt_dir / tag).is_dir():
         raise SystemExit(f"no checkpoint {ckpt_dir / tag}")
     cfg = load_config(ckpt_dir / tag / "config.yaml")
+    try:
+        choose_encoder(cfg, args.encoder)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     state = consolidated_state_dict(ckpt_dir, tag, cfg.engine.zero_stage)
     encoder = exported_encoder(cfg, state)
     manifest = pretrain_manifest(

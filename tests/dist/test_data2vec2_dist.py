@@ -309,9 +309,9 @@ def test_resume_by_two_processes_gives_the_teacher_forward_its_values(shards, in
 def test_export_holds_the_student_or_the_teacher(runs, teacher_run, tmp_path, monkeypatch):
     """Recipe: `data2vec2_recipe` at ZeRO-3 (2 processes), exporting the student (the default) and, in
     `teacher_run`, the teacher (objective.export=teacher). `python -m pretrain export RUN_DIR --step N` writes the
-    encoder the run's recipe names (it reads the checkpoint's config.yaml and takes no overrides): its weights are
-    the consolidated checkpoint's under `encoder.` or `teacher.encoder.`, the in-run export's at the last step, and
-    load in timm (strict)."""
+    encoder the run's recipe names (the checkpoint's config.yaml), or `--encoder`'s: its weights are the consolidated
+    checkpoint's under `encoder.` or `teacher.encoder.`, the in-run export's at the last step, and load in timm
+    (strict)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     student_run = runs[3][0]
     cases = [(student_run, STUDENT, "student"), (teacher_run, TEACHER, "teacher")]
@@ -332,6 +332,13 @@ def test_export_holds_the_student_or_the_teacher(runs, teacher_run, tmp_path, mo
         assert json.loads((run_dir / "export" / "mimpipe.json").read_text())["encoder"] == encoder
     # Same recipe, same steps: the two exports are the student and the teacher of the same run.
     assert max_diff(exported["teacher", STEPS], exported["student", STEPS]) > 1e-3
+    # --encoder overrides the recipe's choice: the student run's teacher, the teacher run's student.
+    for run_dir, prefix, encoder in ((student_run, TEACHER, "teacher"), (teacher_run, STUDENT, "student")):
+        out = tmp_path / f"{encoder}_flag"
+        weights = pretrain_export(run_dir, out, "--step", "3", "--encoder", encoder)
+        expected = part(consolidated(run_dir, 3), prefix)
+        assert set(weights) == set(expected) and all(torch.equal(weights[k], v) for k, v in expected.items())
+        assert json.loads((out / "mimpipe.json").read_text())["encoder"] == encoder
 
 
 @pytest.mark.faults  # a relaunch into a used run_dir: `make test-faults`, as tests/dist/test_rundir_dist.py
