@@ -145,6 +145,11 @@ def export_points(objective: str, root: Path, steps: list[int]) -> list[Path]:
 def evaluate(exports: list[Path], root: Path, args: argparse.Namespace) -> dict[str, dict]:
     """One `mimpipe evaluate` of every export: {export folder name: its metrics}."""
     out = root / "evaluate"
+    report = out / "report.json"
+    if report.is_file():  # a rerun (e.g. for the fine-tuning arms) measures nothing again
+        rows = json.loads(report.read_text())["rows"]
+        if {Path(row["checkpoint"]).name for row in rows} == {e.name for e in exports}:
+            return {Path(row["checkpoint"]).name: row["metrics"] for row in rows}
     command = [str(Path(sys.executable).parent / "mimpipe"), "evaluate", *map(str, exports)]
     command += ["--train", str(args.shards / "train"), "--val", str(args.shards / "test"), "--suite", "knn,linear"]
     command += ["--max-train", str(args.max_train), "--max-val", str(args.max_val), "--num-workers", "0"]
@@ -224,6 +229,8 @@ def finetune(encoders: dict[str, Path], root: Path, args: argparse.Namespace) ->
     out: dict[str, dict[str, float]] = {}
     for label, export in encoders.items():
         for name, (recipe, per_class) in FINETUNE.items():
+            if name not in args.finetune_arms:
+                continue
             train = args.subsets / f"train_{per_class}_per_class" if per_class else data["train"]
             run_dir = root / "finetune" / label.replace("@", "_at_") / name
             arm = launched_arm("finetune", run_dir, recipe, args.seed, {**data, "train": train}, args.finetune_scale)
@@ -313,8 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--subsets", type=Path, default=REPO / "shards" / "bench", help="label subsets written here")
     p.add_argument("--finetune-scale", type=float, default=1.0, help="multiply the fine-tuning arms' steps")
     p.add_argument("--no-finetune", action="store_true", help="measure the pretraining points only")
+    p.add_argument("--finetune-arms", default=",".join(FINETUNE), help="of %(default)s")
     args = p.parse_args(argv)
     args.argv = argv
+    args.finetune_arms = [a for a in args.finetune_arms.split(",") if a]
+    if unknown := sorted(set(args.finetune_arms) - set(FINETUNE)):
+        p.error(f"--finetune-arms: unknown {unknown}; known: {', '.join(FINETUNE)}")
     if not 0 < args.scale <= 1 or args.points < 2:
         p.error("--scale must be in (0, 1] and --points at least 2")
     objectives = [o for o in args.objectives.split(",") if o]
