@@ -37,7 +37,7 @@ PUBLISHED = {
     "linprobe_vitl": (("finetune", "large", 224, 16, "classification"), 16384, 0.1 * 16384 / 256, 1, (3910, 782)),
     "data2vec2_vitb": (("pretrain", "base", 224, 16, "data2vec2"), 256, 1e-3, 1, (375300, 50040)),
     "data2vec2_vitl": (("pretrain", "large", 224, 16, "data2vec2"), 128, 4e-4, 1, (375300, 50040)),
-    "quickstart_data2vec2": (("pretrain", "tiny", 28, 4, "data2vec2"), 256, 1.5e-3, 1, (300, 30)),
+    "quickstart_data2vec2": (("pretrain", "tiny", 28, 4, "data2vec2"), 256, 1.5e-3, 1, (250, 25)),
     "mae_vitb": (("pretrain", "base", 224, 16, "mae"), 4096, 1.5e-4 * 4096 / 256, 1, (250228, 12512)),
     "mae_vith": (("pretrain", "huge", 224, 14, "mae"), 4096, 1.5e-4 * 4096 / 256, 2, (250228, 12512)),
     "mae_vitl": (("pretrain", "large", 224, 16, "mae"), 4096, 1.5e-4 * 4096 / 256, 1, (250228, 12512)),
