@@ -9,6 +9,8 @@ import argparse
 from collections.abc import Iterable
 from pathlib import Path
 
+from torch import nn
+
 from core.engine.checkpoint import resumable_tag
 from core.engine.gather import consolidated_state_dict
 from core.export.folder import export_state_dict
@@ -20,6 +22,12 @@ def exported_prefix(cfg: Config) -> str:
     """Where the exported encoder sits in the objective's state dict: the student (`encoder.`), or the EMA teacher
     (`teacher.encoder.`) where the recipe exports it (`objective.export: teacher`)."""
     return "teacher.encoder." if getattr(cfg.objective, "export", "student") == "teacher" else "encoder."
+
+
+def exported_module(cfg: Config, objective: nn.Module) -> nn.Module:
+    """The objective's module the export holds, which the monitors measure: its student (`encoder`), or its EMA
+    teacher where the recipe exports that."""
+    return objective.teacher if exported_prefix(cfg).startswith("teacher") else objective.encoder
 
 
 def choose_encoder(cfg: Config, encoder: str | None) -> None:

@@ -21,6 +21,7 @@ import torch
 from core.engine.distributed import all_gather_rows
 from core.report.collapse import effective_rank, normalised_std
 from data.specs import resolve_shards, train_sources
+from pretrain.export import exported_module
 from pretrain.knn import embed, knn_monitor, monitor_loader, training_untouched
 from pretrain.target_monitor import target_monitor
 
@@ -44,8 +45,8 @@ def feature_monitor(run, engine) -> Callable[..., dict[str, float]] | None:
         if features is None:
             with training_untouched(engine.module, dist.device):
                 features, _ = embed(
-                    engine.module.encoder, loader, dist=dist, precision=cfg.engine.precision, pooling=fm.pooling,
-                    image_shape=(3, height, width),
+                    exported_module(cfg, engine.module), loader, dist=dist, precision=cfg.engine.precision,
+                    pooling=fm.pooling, image_shape=(3, height, width),
                 )  # fmt: skip
             features = all_gather_rows(features)  # (N, D), the same on every rank
         metrics = {

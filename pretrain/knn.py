@@ -41,6 +41,7 @@ from core.report.knn import KNNBank
 from data.pipeline import make_eval_loader
 from data.specs import resolve_shards
 from data.transforms import eval_transform
+from pretrain.export import exported_module
 
 
 def pooled_features(encoder: nn.Module, images: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -166,7 +167,7 @@ def knn_monitor(run, engine) -> Callable[[int], dict[str, float]] | None:
     bank_loader = monitor_loader(run, "eval.knn.bank.shards", b.shards or cfg.data.train, b.max_samples, size)
     query_loader = monitor_loader(run, "eval.knn.query.shards", q.shards or cfg.data.val, q.max_samples, size)
     height, width = cfg.model.image_hw
-    encoder = engine.module.encoder
+    encoder = exported_module(cfg, engine.module)  # the student, or the EMA teacher where that is exported
 
     def evaluate(step: int, on_bank: Callable[[torch.Tensor], None] | None = None) -> dict[str, float]:
         """The metrics at `step`; `on_bank` receives the gathered (N, D) bank features (the label-free monitor's

@@ -12,7 +12,7 @@ from core.engine.run import finish_stage, run_loop, seed_everything, start_engin
 from core.engine.stream import train_stream
 from core.engine.teacher import has_teacher, teacher_hook
 from core.export.folder import export_state_dict
-from pretrain.export import exported_prefix, pretrain_manifest
+from pretrain.export import exported_module, pretrain_manifest
 from pretrain.export import main as export_main
 from pretrain.feature_monitor import monitors
 from pretrain.objectives import objective_builder, train_transform
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     # Export the encoder (consolidated from every ZeRO stage) in timm's layout.
-    exported = engine.module.teacher.encoder if exported_prefix(cfg).startswith("teacher") else engine.module.encoder
-    state_dict = gather_state_dict(engine, exported, dist)
+    exported = exported_module(cfg, engine.module)
+    state_dict = gather_state_dict(engine, getattr(exported, "encoder", exported), dist)  # the teacher's timm ViT
     if dist.is_main and cfg.checkpoint.export_at_end:
         manifest = pretrain_manifest(
             cfg, step=run.state.step, source=run.recipe, objective_keys=engine.module.state_dict()

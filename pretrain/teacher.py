@@ -76,6 +76,19 @@ class EMATeacher(nn.Module):
             raise ValueError(f"the teacher's parameters are not the student's (differ: {', '.join(diff)})")
         return [(mine[name], theirs[name]) for name in mine]
 
+    @property
+    def num_prefix_tokens(self) -> int:
+        return self.encoder.num_prefix_tokens
+
+    @property
+    def embed_dim(self) -> int:
+        return self.encoder.embed_dim
+
+    def forward_features(self, imgs: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, T + L, D) the final norm's output, as timm's `forward_features` (the monitors embed
+        with it when the teacher is the exported encoder)."""
+        return self.forward_blocks(imgs, 0)[1]
+
     @torch.no_grad()
     def forward_blocks(self, imgs: torch.Tensor, num_blocks: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The teacher on the whole image.
@@ -85,8 +98,8 @@ class EMATeacher(nn.Module):
             num_blocks: How many of the last blocks' FFN outputs to return.
 
         Returns:
-            (the last `num_blocks` blocks' FFN outputs, each (B, L, D), patch tokens only, oldest first; the final
-            norm's output (B, T + L, D)).
+            (the last `num_blocks` blocks' FFN outputs, each (B, L, D), patch tokens only, oldest first, none for 0;
+            the final norm's output (B, T + L, D)).
         """
         enc = self.encoder
         x = enc.patch_embed(imgs) + patch_positions(enc)  # (B, L, D)

@@ -22,10 +22,12 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from core.engine.utilisation import CPU_ATTENTION_FLOPS, count_step_flops
+from core.models.build import build_model
 from core.recipe.config import ConfigError, load_config
 from core.recipe.teacher_sections import ConvDecoderConfig, EMASchedule
 from data.masking import MaskStack
 from pretrain.data2vec2 import ConvDecoder, Data2Vec2, make_targets
+from pretrain.export import exported_module
 from pretrain.objectives import mask_generator, objective_builder
 from pretrain.teacher import EMATeacher, TargetBlock
 from tests.helpers.models import tiny_vit
@@ -293,6 +295,21 @@ def test_the_teacher_stays_in_eval_mode_frozen_and_its_decay_follows_the_schedul
     steps = [0, 1, 5, 9, 10, 11, 1000]
     want = [0.9, 0.909, 0.945, 0.981, 0.99, 0.99, 0.99]  # linear over 10 steps, then held
     assert [teacher.decay_at(step) for step in steps] == pytest.approx(want)
+
+
+def test_the_monitors_measure_the_exported_encoder_and_the_teacher_embeds_as_timm_does():
+    objective, _ = build()
+    assert exported_module(load_config(None, TINY), objective) is objective.encoder
+    assert exported_module(load_config(None, [*TINY, "objective.export=teacher"]), objective) is objective.teacher
+    with torch.no_grad():
+        for p in objective.teacher.encoder.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # a teacher that is not the student
+    plain = build_model(load_config(None, TINY))  # timm's own blocks and forward_features, the teacher's weights
+    plain.load_state_dict(objective.teacher.encoder.state_dict())
+    images = torch.randn(B, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    objective.eval()
+    torch.testing.assert_close(objective.teacher.forward_features(images), plain.eval().forward_features(images))
+    assert (objective.teacher.num_prefix_tokens, objective.teacher.embed_dim) == (1, D)
 
 
 def test_pairs_matches_parameters_by_name_and_refuses_another_architecture():
