@@ -29,6 +29,8 @@
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun lets its ranks save a checkpoint after passing on a SIGTERM
 #                   or the first Ctrl-C, before it SIGKILLs them (default here 120; torchrun's own 30); see
 #                   docs/processes.md
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING  NCCL's handling of a peer's error or a collective timeout (default here 2: the
+#                   communicators are aborted and the rank raises, one line; torchrun's own 1 ends the process)
 # Ctrl-C stops the run after the current step with a checkpoint of it (exit code 130); Ctrl-C again stops it at once.
 # In a SLURM allocation (SLURM_JOB_ID set, NNODES and HOSTFILE not): `srun --ntasks-per-node=1 ./launch.sh RECIPE`.
 #   NNODES (the step's nodes), NODE_RANK, MASTER_ADDR (first host of the step) and MASTER_PORT (20000 + job id %
@@ -156,6 +158,10 @@ fi
 # torchrun SIGKILLs its ranks this long after passing a SIGTERM (preemption) or the first Ctrl-C on: 30 s by default,
 # less than a large checkpoint may take to save. It waits only as long as the ranks take; SLURM's own grace still bounds it.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
+# torchrun's agent gives its ranks TORCH_NCCL_ASYNC_ERROR_HANDLING from its own environment, else 1 (tear the process
+# down from NCCL's watchdog thread), so the ranks' own default never applied under it: 2, NCCL aborts the communicators
+# and the rank raises, reported in one line (core/engine/distributed.py `nccl_error_handling`). A value set is kept.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-2}"
 # core.launch.torchrun is torchrun with its failure report cut to one line (the ranks print their own errors).
 if [[ -n "${HOSTFILE:-}" ]]; then
     # DeepSpeed's runner reaches the hosts over pdsh/ssh and starts them in this directory (same path everywhere);

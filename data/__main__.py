@@ -29,6 +29,7 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
+from core.compat.closed_pipe import quiet_on_closed_pipe
 from data import seg_sources, sources
 from data.decode import CORRUPT_IMAGE_ERRORS, LabelError, decode_rgb, image_field, read_label
 from data.index import index_shards, local_shards, shard_samples
@@ -266,8 +267,14 @@ def _describe_mask(data: bytes, classes: list[str]) -> str:
     return f"mask {ids.shape[1]}x{ids.shape[0]}: {', '.join(parts)}"
 
 
-if __name__ == "__main__":
+def _command() -> int | str | None:
+    """`python -m data ...` as a process: a ValueError is its one line (exit code 1)."""
     try:
         main()
     except ValueError as exn:
-        sys.exit(f"error: {exn}")
+        return f"error: {exn}"
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(quiet_on_closed_pipe(_command))  # `| head -1`: no traceback, exit code 141 (core/compat/closed_pipe.py)

@@ -118,7 +118,8 @@ def nccl_error_handling() -> None:
     without the rank's one line. With 2 the error reaches the rank's Python code as an exception (DistBackendError,
     "NCCL communicator was aborted ..."), which core/engine/failure.py reports as a rank stopped by another, as under
     gloo. Should the abort itself hang, torch's heartbeat monitor (TORCH_NCCL_ENABLE_MONITORING) still ends the
-    process. Not run here (no GPU): tests/unit/test_failure.py checks the mapping of NCCL's errors.
+    process. Not run here (no GPU): tests/unit/test_failure.py checks the mapping of NCCL's errors. Under torchrun the
+    rank always finds the variable set (its agent passes its own on, else 1): launch.sh exports this 2 to the agent.
     """
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 

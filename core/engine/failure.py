@@ -5,6 +5,11 @@
 it goes to the console), the console gets one line naming the error and the log file, and the process exits with
 `EXIT_ERROR`.
 
+A `ConfigError` (the recipe or an override does not fit the schema: the user's input, not a fault) is what launch.sh's
+check says of the same recipe, without a traceback: `[mimpipe] refused: ` and the error's own message (the key, with
+its close-match hint), from rank 0, and `EXIT_REFUSED`. So `python -m pretrain RECIPE` and `mimpipe pretrain RECIPE`
+end on a bad recipe as `./launch.sh RECIPE` does (core/launch/check.py).
+
 Every rank that fails on its own says so in its own line (the rank that read a bad shard may not be rank 0). A rank
 whose collective failed because another rank died first prints a quieter `[mimpipe] rank N stopped: ...` line
 instead, so that the one `[mimpipe] error:` line is the cause. That is gloo's "Connection closed by peer", any
@@ -30,9 +35,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from core.engine.preempt import EXIT_INTERRUPTED, ctrl_c_received
+from core.recipe.errors import ConfigError
 
 EXIT_ERROR = 1
 """Exit code of a rank that stopped on an exception (Python's own code for an uncaught one)."""
+EXIT_REFUSED = 2
+"""Exit code of a launch refused before training: a recipe that does not load, another live launch holding the
+run_dir, or a run_dir holding a run of another config (as launch.sh's pre-flight exits)."""
 
 # What a collective raises when a peer's connection drops (gloo, NCCL's TCP bootstrap) or NCCL gives up on a peer
 # (a remote error, a communicator aborted by the watchdog, a collective timeout); the peer's error is the cause.
@@ -75,13 +84,15 @@ def log_tracebacks_to(run_dir: str | Path) -> None:
 
 def run_guarded(main: Callable[[], int]) -> int:
     """Run a stage entry point; an exception becomes one console line, a logged traceback and `EXIT_ERROR`
-    (`StageExit`: its own line and code; Ctrl-C: `stopped_by_ctrl_c`)."""
+    (`StageExit`: its own line and code; `ConfigError`: `refused_recipe`; Ctrl-C: `stopped_by_ctrl_c`)."""
     try:
         return main()
     except StageExit as stop:
         if stop.line is not None:
             print(stop.line, file=sys.stdout if stop.code == 0 else sys.stderr, flush=True)
         return stop.code
+    except ConfigError as err:
+        return refused_recipe(err)
     except KeyboardInterrupt:
         return stopped_by_ctrl_c()
     except Exception as err:  # every error ends here, reported once
@@ -100,6 +111,16 @@ def stopped_by_ctrl_c() -> int:
         )
         print(line, file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
+
+
+def refused_recipe(err: ConfigError) -> int:
+    """A recipe or override that does not fit the schema: its message from rank 0 (every rank loads the same recipe),
+    as launch.sh's check prints it, no traceback (`MIMPIPE_DEBUG=1`: on the console too), and `EXIT_REFUSED`."""
+    if os.environ.get("MIMPIPE_DEBUG") == "1":
+        print("".join(traceback.format_exception(err)), file=sys.stderr, end="", flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[mimpipe] refused: {err}", file=sys.stderr, flush=True)
+    return EXIT_REFUSED
 
 
 def report(err: BaseException) -> int:

@@ -21,7 +21,7 @@ from core.engine import preempt
 from core.engine.checkpoint import RNGState, find_resume, load_checkpoint, load_states
 from core.engine.compiled import describe_compiled
 from core.engine.distributed import DistInfo, init_distributed, shutdown
-from core.engine.failure import StageExit, log_tracebacks_to
+from core.engine.failure import EXIT_REFUSED, StageExit, log_tracebacks_to
 from core.engine.loop import LoopHooks, NonFiniteLossError, PreemptedError, train
 from core.engine.parent_death import die_with_launcher
 from core.engine.plan import launch_plan
@@ -44,9 +44,6 @@ from data.specs import dataset_size, is_synthetic
 EXIT_NONFINITE = 3
 """Process exit code after `engine.max_consecutive_nonfinite` non-finite steps in a row, or a loss spike after
 `engine.max_rollbacks` rollbacks (see `run_loop`)."""
-EXIT_REFUSED = 2
-"""Process exit code of a launch refused before training: another live launch holds the run_dir, or it holds a run of
-another config (as launch.sh's pre-flight exits)."""
 
 
 def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config], None] | None = None) -> StageRun:
@@ -66,6 +63,8 @@ def start_stage(prog: str, argv: list[str] | None, *, resolve: Callable[[Config]
     Raises:
         StageExit: Another live launch holds run_dir, or it holds a run of another config (exit 2), or this run,
             finished (exit 0).
+        ConfigError: The recipe or an override does not fit the schema (run_guarded: one line, exit 2, as launch.sh's
+            check).
     """
     parser = argparse.ArgumentParser(prog=prog, description="Run a recipe: RECIPE [section.key=value ...]")
     parser.add_argument("recipe", help="YAML recipe")

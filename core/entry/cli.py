@@ -1,11 +1,16 @@
 """The `mimpipe` command (pyproject's console script): `mimpipe COMMAND ARGS...` runs what `python -m MODULE ARGS...`
 runs, the module as `__main__` with the arguments passed on unchanged, so the two behave alike in every way (exit
-codes, errors, the run's files). It starts one process; multi-process and multi-node runs go through ./launch.sh."""
+codes, errors, the run's files). It starts one process; multi-process and multi-node runs go through ./launch.sh.
+
+Piped into a reader that closes early (`mimpipe status RUN_DIR | head -1`), a command ends without a traceback, exit
+code 141 (core/compat/closed_pipe.py); a training stage's ranks keep their own handling while they run."""
 
 from __future__ import annotations
 
 import runpy
 import sys
+
+from core.compat.closed_pipe import quiet_on_closed_pipe
 
 COMMANDS = {
     "pretrain": ("pretrain", [], "pretrain (or train a BEiT tokenizer): mimpipe pretrain RECIPE [key=value ...]"),
@@ -46,14 +51,18 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int | str | None:
     """Run `argv[0]`'s module as `__main__` with the rest of `argv` (default: sys.argv[1:]) as its arguments.
 
     Returns:
-        0 after --help; 2 for a missing or unknown command. A command's own exit status leaves through SystemExit,
-        as under `python -m`.
+        What `sys.exit` takes: 0 after --help; 2 for a missing or unknown command; a command's own exit status (its
+        SystemExit's code, as under `python -m`); 141 when stdout's reader closed the pipe.
     """
-    argv = sys.argv[1:] if argv is None else argv
+    return quiet_on_closed_pipe(lambda: run_command(sys.argv[1:] if argv is None else argv))
+
+
+def run_command(argv: list[str]) -> int:
+    """`main`'s work: the help, the unknown command's line, or the command's module run as `__main__`."""
     if not argv or argv[0] in ("-h", "--help"):
         print(help_text())
         return 0 if argv else 2

@@ -4,10 +4,11 @@ Before the stage's own imports, `prestart` imports timm without timm's wandb imp
 and, when the recipe has data workers, the data modules, then forks the data workers' fork server from this process
 while it still runs one thread: the server holds torch, torchvision, timm and the data modules without importing
 them again (seconds of CPU per rank; data/worker_process.py). The stage then runs guarded: an error is one console
-line and a logged traceback (core/engine/failure.py).
+line and a logged traceback (core/engine/failure.py). A command other than a training run (`export`, `evaluate`, ...)
+piped into a reader that closes early ends quietly (core/compat/closed_pipe.py).
 
 Torch-free until those imports. A recipe that does not load is left alone by `prestart`: the stage loads it again
-and reports the error as it reports every other.
+and refuses it as launch.sh's check does (one line, exit code 2; core/engine/failure.py).
 
 Started by `accelerate launch --cpu` for several processes (accelerate's CPU launcher starts one and leaves the rest
 to mpirun), the process first turns into torchrun's agent for them (core/launch/accelerate.py `cpu_launch_command`).
@@ -20,6 +21,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from core.compat.closed_pipe import quiet_on_closed_pipe
 from core.engine.failure import run_guarded, stopped_by_ctrl_c
 from core.launch.accelerate import SHUTDOWN_TIMEOUT_S, cpu_launch_command, parent_argv
 from core.launch.imports import imports_without_collection
@@ -28,6 +30,10 @@ from core.recipe.config import load_config
 from data.worker_process import start_fork_server
 
 StageMain = Callable[[list[str]], int]
+
+SUBCOMMANDS = {"pretrain": ("export",), "finetune": ("convert", "predict", "inspect", "evaluate")}
+"""Each stage's commands besides a training run (pretrain/stage.py, finetune/stage.py `main`): piped into a reader that
+closes early, they end quietly (core/compat/closed_pipe.py)."""
 
 
 def run(stage: str, argv: list[str] | None = None) -> int:
@@ -47,8 +53,9 @@ def run(stage: str, argv: list[str] | None = None) -> int:
             main = STAGES[stage]()
     except KeyboardInterrupt:  # Ctrl-C during the imports (seconds)
         return stopped_by_ctrl_c()
+    quiet = bool(argv) and argv[0] in SUBCOMMANDS[stage]  # a training rank keeps its own handling of a closed pipe
     try:
-        code = run_guarded(lambda: main(argv))
+        code = run_guarded(lambda: quiet_on_closed_pipe(lambda: main(argv)) if quiet else main(argv))
     finally:
         release_held()  # rank 0 gives run_dir's lease back however the stage ended (core/launch/lease.py)
     # Nothing the stage built is collected again: frozen, it spares the interpreter's exit a garbage collection over

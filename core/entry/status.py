@@ -27,6 +27,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from core.compat.closed_pipe import quiet_on_closed_pipe
 from core.engine.ckpt_files import choose_resume, read_latest, tag_folders, why_incomplete
 from core.entry.status_screen import render
 from core.export.manifest import MANIFEST_NAME
@@ -319,4 +320,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quiet_on_closed_pipe(main))  # `| head -1`: no traceback, exit code 141 (core/compat/closed_pipe.py)

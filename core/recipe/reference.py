@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from core.compat.closed_pipe import quiet_on_closed_pipe
 from core.recipe.config import Config
 from core.recipe.errors import ConfigError, close_matches
 
@@ -248,4 +249,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quiet_on_closed_pipe(main))  # `| head -1`: no traceback, exit code 141 (core/compat/closed_pipe.py)

@@ -1,9 +1,12 @@
-"""How a rank ends on an error (core/engine/failure.py): one console line, the traceback in run_dir/logs; and the
-one-line report of a failed torchrun run (core/launch/torchrun.py)."""
+"""How a rank ends on an error (core/engine/failure.py): one console line, the traceback in run_dir/logs; a recipe
+that does not load, started without launch.sh, refused as launch.sh's check refuses it (its lines, exit code 2); and
+the one-line report of a failed torchrun run (core/launch/torchrun.py)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch.distributed as dist
@@ -13,7 +16,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from core.engine import failure
 from core.engine.distributed import nccl_error_handling
 from core.launch.torchrun import failure_line
+from core.recipe.config import ConfigError
 from data.decode import LabelError
+from tests.launching import REPO
 
 MESSAGE = "sample train_00000070 in shard /data/train-000002.tar has no .cls label (fields: json, png)"
 
@@ -61,6 +66,43 @@ def test_without_a_run_dir_the_traceback_stays_on_the_console(capsys):
     _fail(ValueError("bad recipe"))
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and err.splitlines()[-1] == "[mimpipe] error: bad recipe (rank 1)"
+
+
+def test_a_recipe_error_is_its_own_lines_from_rank_0_without_a_traceback_and_exit_2(tmp_path, capsys, monkeypatch):
+    failure.log_tracebacks_to(tmp_path / "run")
+    err = ConfigError("r.yaml: invalid recipe\n  schedule.stpes: unknown key (did you mean 'steps'?)")
+    assert _fail(err) == failure.EXIT_REFUSED == 2 and capsys.readouterr().err == ""  # rank 1: rank 0 says it
+    monkeypatch.setenv("RANK", "0")
+    assert _fail(err) == 2
+    assert capsys.readouterr().err == f"[mimpipe] refused: {err}\n"
+    assert not (tmp_path / "run").exists()  # no traceback logged: the recipe is the user's, not a fault
+
+
+# A typo in an override, as each stage's recipe gets it on the command line.
+TYPOS = {
+    "pretrain": ("recipes/quickstart.yaml", "schedule.stpes=10", "schedule.stpes: unknown key (did you mean 'steps'?)"),
+    "finetune": (
+        "recipes/quickstart_finetune.yaml",
+        "optim.base_rl=1e-4",
+        "optim.base_rl: unknown key (did you mean 'base_lr'?)",
+    ),
+}
+
+
+@pytest.mark.parametrize("stage", TYPOS)
+@pytest.mark.parametrize("entry", [["-m"], ["-m", "core.entry.cli"]], ids=["python -m", "mimpipe"])
+def test_a_recipe_error_without_launch_sh_is_launch_sh_s_lines_and_exit_2(entry, stage):
+    """`python -m STAGE RECIPE key=typo` and `mimpipe STAGE ...` (one process, no launch.sh) print what
+    `./launch.sh RECIPE key=typo` prints, with the stage's prefix: no traceback, no `(+1 lines)`, exit code 2."""
+    recipe, override, key_line = TYPOS[stage]
+    env = {k: v for k, v in os.environ.items() if k not in ("MIMPIPE_DEBUG", "RANK")}
+    options = {"cwd": REPO, "env": env, "capture_output": True, "text": True, "timeout": 300}
+    stage_run = subprocess.run([sys.executable, *entry, stage, recipe, override], **options)
+    launch = subprocess.run([str(REPO / "launch.sh"), recipe, override], **options)
+    assert (stage_run.returncode, stage_run.stdout) == (2, ""), stage_run.stderr[-2000:]
+    assert stage_run.stderr.splitlines() == [f"[mimpipe] refused: {recipe}: invalid recipe", f"  {key_line}"]
+    assert (launch.returncode, launch.stdout) == (2, "")
+    assert launch.stderr.splitlines() == [f"launch.sh: {recipe}: invalid recipe", f"  {key_line}"]
 
 
 def test_a_data_worker_error_is_unwrapped_to_its_own_message():

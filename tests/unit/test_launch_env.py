@@ -1,6 +1,7 @@
 """The environment and process count ./launch.sh gives a node's processes: the cores split between them
 (OMP_NUM_THREADS) and idle OpenMP threads that sleep (OMP_WAIT_POLICY=PASSIVE), each unless the user set it, on CPU
-and GPU nodes; one process per GPU the node may use (CUDA_VISIBLE_DEVICES, the SLURM step); and the refusal to start
+and GPU nodes; NCCL's error handling the ranks expect (TORCH_NCCL_ASYNC_ERROR_HANDLING), through torchrun's agent to
+the ranks; one process per GPU the node may use (CUDA_VISIBLE_DEVICES, the SLURM step); and the refusal to start
 on a node whose GPUs torch cannot use.
 
 PYTHON is a stand-in that runs launch.sh's own Python steps (`-m core.launch.gpus`, `-m core.entry.launch_check`) with
@@ -19,11 +20,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.engine.distributed import nccl_error_handling
 from tests.launching import REPO, fake_nvidia_smi, fake_scontrol, pretrain_recipe, write_recipe
 
 CORES = len(os.sched_getaffinity(0))
 # Variables of the machine running the tests that would change what launch.sh derives.
-HOST_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES", "NNODES", "NODE_RANK", "NPROC_PER_NODE")
+HOST_VARS = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "CUDA_VISIBLE_DEVICES",
+    "NNODES",
+    "NODE_RANK",
+    "NPROC_PER_NODE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
 
 
 def _launch(tmp_path: Path, shards, *overrides: str, gpus: int | None = None, **env: str):
@@ -39,13 +49,18 @@ def _launch(tmp_path: Path, shards, *overrides: str, gpus: int | None = None, **
         f'exec {sys.executable} "$@"\n'
     )
     python.chmod(0o755)
+    return _run_launch_sh(tmp_path, shards, python, *overrides, gpus=gpus, MASTER_PORT="29999", **env)
+
+
+def _run_launch_sh(tmp_path: Path, shards, python: Path, *overrides: str, gpus: int | None = None, **env: str):
+    """./launch.sh on the tiny recipe with PYTHON=`python`, without the test machine's HOST_VARS and SLURM's."""
     recipe = write_recipe(tmp_path / "tiny.yaml", pretrain_recipe(shards, tmp_path / "run"))
     base = {k: v for k, v in os.environ.items() if k not in HOST_VARS and not k.startswith("SLURM_")}
     path = base["PATH"] if gpus is None else f"{fake_nvidia_smi(tmp_path / 'bin', gpus)}:{base['PATH']}"
     return subprocess.run(
         [str(REPO / "launch.sh"), str(recipe), *overrides],
         cwd=REPO,
-        env={**base, "PATH": path, "PYTHON": str(python), "MASTER_PORT": "29999", **env},
+        env={**base, "PATH": path, "PYTHON": str(python), **env},
         capture_output=True,
         text=True,
         timeout=120,
@@ -74,6 +89,41 @@ def test_cpu_runs_split_the_cores_and_let_idle_openmp_threads_sleep(tmp_path, sh
 def test_the_users_openmp_settings_are_kept(tmp_path, shards):
     env = _launched_env(tmp_path, shards, NPROC_PER_NODE="2", OMP_NUM_THREADS="3", OMP_WAIT_POLICY="ACTIVE")
     assert env == {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE", "NPROC": "2"}
+
+
+def _ranks_nccl_error_handling(tmp_path: Path, shards, **env: str) -> list[str]:
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING as each of the 2 ranks a real torchrun agent, started by ./launch.sh, gives it
+    ("unset" where it has none): PYTHON runs launch.sh's steps and torchrun's agent as they are, with each rank's
+    stage (`-m pretrain RECIPE ...`) replaced by a shell that prints the variable."""
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ "$1 $2" == "-m core.launch.torchrun" ]]; then\n'
+        "    options=(); shift 2\n"
+        '    while [[ "$1" != "-m" ]]; do options+=("$1"); shift; done\n'
+        f'    exec {sys.executable} -m core.launch.torchrun "${{options[@]}}" --no-python bash -c \\\n'
+        "        'echo \"rank $RANK: ${TORCH_NCCL_ASYNC_ERROR_HANDLING:-unset}\"'\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    proc = _run_launch_sh(tmp_path, shards, python, NPROC_PER_NODE="2", **env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+
+
+def test_nccl_error_handling_reaches_the_ranks_through_torchrun_as_the_engine_sets_it(tmp_path, shards, monkeypatch):
+    """torchrun's agent gives its ranks the variable from its own environment, else 1 (tear the process down from
+    NCCL's watchdog): the ranks' own default (core/engine/distributed.py) applies only if launch.sh exports it."""
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    nccl_error_handling()  # what a rank started without a launcher sets
+    expected = os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+    assert _ranks_nccl_error_handling(tmp_path, shards) == [f"rank 0: {expected}", f"rank 1: {expected}"]
+    # The user's own choice is kept (docs/fault_tolerance.md: the ranks set it unless it is set).
+    assert _ranks_nccl_error_handling(tmp_path, shards, TORCH_NCCL_ASYNC_ERROR_HANDLING="3") == [
+        "rank 0: 3",
+        "rank 1: 3",
+    ]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no GPU")
