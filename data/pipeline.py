@@ -72,7 +72,7 @@ NO_LABEL = -1
 _PER_SAMPLE_FIELDS = ("label", "key", "num_corrupt", "index")
 _IMAGE_TYPES = ", ".join(IMAGE_FIELDS)
 # Purpose tags mixed into seeds so the RNGs drawn from one user seed are independent of each other.
-_SEED_ORDER, _SEED_AUGMENT, _SEED_LOADER = range(3)
+_SEED_ORDER, _SEED_AUGMENT, _SEED_LOADER, _SEED_MASKS = range(4)
 # The default shuffle buffer holds at most this many bytes of encoded samples; without an index.json to size it
 # from, this many samples.
 _SHUFFLE_BUFFER_BYTES, _SHUFFLE_BUFFER_FALLBACK = 256 * 2**20, 1000
@@ -283,9 +283,13 @@ class _ShardStream(IterableDataset):
         seed_prefix = (self.seed, _SEED_AUGMENT, self.rank, worker)
         decoded = _decode(order, self.transform, label_of, seed_prefix, start["index"])
         collate = functools.partial(_collate, normalisation=normalisation, counts=counts)
+        batch_masks = getattr(self.transform, "batch_masks", None)  # per-batch masks (I-JEPA's, data/multiblock.py)
+        mask_seed = _mix_seed(self.seed, _SEED_MASKS, self.rank, worker)
         while True:
             samples = list(itertools.islice(decoded, self.batch_size))  # no read-ahead: the cursor is right after
             batch = collate(samples)
+            if batch_masks is not None:  # seeded by the batch's place in the stream: the same masks on resume
+                batch_masks.add_to_batch(batch, random.Random(_sample_seed(mask_seed, samples[0]["index"])))
             state = {"index": samples[-1]["index"] + 1, "order": order.state(), "reads": counts.state()}
             batch["cursor"] = StreamCursor(worker, num_workers, state)
             yield batch

@@ -18,10 +18,13 @@ from timm.models.vision_transformer import VisionTransformer
 from core.models.t2t_vit import T2TViT
 
 
-def check_encoder(encoder: VisionTransformer | T2TViT, objective: str, *, token_pool: bool = False) -> None:
-    """Raises ValueError, naming `objective` and every problem, unless the encoder has a class token, no head and a
-    fixed-size position embedding that covers the prefix tokens (class and register tokens: `forward_encoder` relies
-    on all of them); with `token_pool`, global_pool must also be 'token'. A T2T-ViT always has that layout."""
+def check_encoder(
+    encoder: VisionTransformer | T2TViT, objective: str, *, token_pool: bool = False, class_token: bool = True
+) -> None:
+    """Raises ValueError, naming `objective` and every problem, unless the encoder has a class token (none, with
+    `class_token` False), no head and a fixed-size position embedding that covers the prefix tokens (class and
+    register tokens: `forward_encoder` relies on all of them); with `token_pool`, global_pool must also be 'token'. A
+    T2T-ViT always has that layout."""
     if isinstance(encoder, T2TViT):
         if encoder.num_classes:
             raise ValueError(f"{objective} encoder: num_classes must be 0, got {encoder.num_classes}")
@@ -29,13 +32,13 @@ def check_encoder(encoder: VisionTransformer | T2TViT, objective: str, *, token_
     if not isinstance(encoder, VisionTransformer):
         raise ValueError(f"{objective} needs a timm VisionTransformer or T2TViT encoder, got {type(encoder).__name__}")
     problems = []
-    if not encoder.has_class_token:
-        problems.append("class_token must be True")
+    if encoder.has_class_token != class_token:
+        problems.append(f"class_token must be {class_token}")
     if token_pool and encoder.global_pool != "token":
         problems.append(f"global_pool must be 'token', got {encoder.global_pool!r}")
     if encoder.num_classes:
         problems.append(f"num_classes must be 0, got {encoder.num_classes}")
-    if encoder.pos_embed is None or encoder.no_embed_class:
+    if encoder.pos_embed is None or (encoder.no_embed_class and encoder.num_prefix_tokens):
         problems.append(
             "needs a learnable pos_embed that covers the prefix tokens (pos_embed='learn', no_embed_class False)"
         )
@@ -64,9 +67,13 @@ def patch_positions(encoder: VisionTransformer) -> torch.Tensor:
 
 
 def prefix_tokens(encoder: VisionTransformer | T2TViT) -> torch.Tensor:
-    """(1, P, D) the class token, then the register tokens, each with its position added (timm's order)."""
+    """(1, P, D) the class token, then the register tokens, each with its position added (timm's order); (1, 0, D)
+    for an encoder with neither (I-JEPA's)."""
     registers = getattr(encoder, "reg_token", None)  # (1, R, D); None without registers, and on T2T-ViT
-    tokens = encoder.cls_token if registers is None else torch.cat([encoder.cls_token, registers], dim=1)
+    tokens = [t for t in (encoder.cls_token, registers) if t is not None]
+    if not tokens:
+        return encoder.pos_embed[:, :0]
+    tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens, dim=1)
     return tokens + encoder.pos_embed[:, : encoder.num_prefix_tokens]
 
 

@@ -12,9 +12,9 @@ from torch import nn
 
 from core.export.manifest import MANIFEST_NAME
 from core.models.build import build_model
-from core.recipe.config import Config
+from core.recipe.config import Config, ijepa_masks
 from core.recipe.sections import BEiTObjective, BlockwiseMask, SimMIMObjective
-from core.recipe.teacher_sections import Data2Vec2Objective
+from core.recipe.teacher_sections import Data2Vec2Objective, IJEPAObjective
 from data.masking import (
     BlockwiseMaskGenerator,
     InverseBlockMaskGenerator,
@@ -22,9 +22,11 @@ from data.masking import (
     RandomMaskGenerator,
     UnitMaskGenerator,
 )
+from data.multiblock import WithBatchMasks
 from data.transforms import TwoViewCropFlip, WithMask, pretrain_transform
 from pretrain.beit import MaskedPatchPrediction
 from pretrain.data2vec2 import Data2Vec2
+from pretrain.ijepa import IJEPA
 from pretrain.mae import MAE
 from pretrain.simmim import SimMIM
 from pretrain.targets import Color3Bit4x4, MeanColor3Bit, PixelsL2, TokenizerCodes
@@ -80,6 +82,17 @@ def _data2vec2_builder(cfg: Config) -> Callable[[], nn.Module]:
     )
 
 
+def _ijepa_builder(cfg: Config) -> Callable[[], nn.Module]:
+    o: IJEPAObjective = cfg.objective
+    return lambda: IJEPA(
+        build_model(cfg),
+        build_model(cfg),  # the target encoder: built beside the context encoder, partitioned with it under ZeRO-3
+        ema=o.ema,
+        predictor=o.predictor,
+        loss=o.loss,
+    )
+
+
 def _mae_transform(cfg: Config):
     d = cfg.data
     return pretrain_transform(cfg.model.img_size, d.mean, d.std, scale=d.crop_scale, decode=d.decode)
@@ -109,6 +122,10 @@ def _simmim_transform(cfg: Config):
 
 def _data2vec2_transform(cfg: Config):
     return WithMask(_mae_transform(cfg), MaskStack(mask_generator(cfg), cfg.objective.num_masks))
+
+
+def _ijepa_transform(cfg: Config):
+    return WithBatchMasks(_mae_transform(cfg), ijepa_masks(cfg.objective, cfg.model.grid))
 
 
 def mask_generator(cfg: Config):
@@ -141,12 +158,19 @@ def tokenizer_manifest(path: str | Path) -> dict:
     return json.loads(file.read_text())
 
 
-BUILDERS = {"mae": _mae_builder, "beit": _beit_builder, "simmim": _simmim_builder, "data2vec2": _data2vec2_builder}
+BUILDERS = {
+    "mae": _mae_builder,
+    "beit": _beit_builder,
+    "simmim": _simmim_builder,
+    "data2vec2": _data2vec2_builder,
+    "ijepa": _ijepa_builder,
+}
 TRANSFORMS = {
     "mae": _mae_transform,
     "beit": _beit_transform,
     "simmim": _simmim_transform,
     "data2vec2": _data2vec2_transform,
+    "ijepa": _ijepa_transform,
 }
 
 

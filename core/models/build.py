@@ -31,7 +31,8 @@ def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> nn
         plain: Build the plain ViT even when the recipe distills.
     """
     m = cfg.model
-    global_pool = "token" if m.global_pool == "auto" else m.global_pool  # fine-tuning resolves auto first
+    global_pool = ("token" if m.class_token else "avg") if m.global_pool == "auto" else m.global_pool  # fine-tuning
+    # resolves auto first; an encoder without a class token pools by averaging
     widths = {k: v for k, v in dict(embed_dim=m.embed_dim, depth=m.depth, num_heads=m.num_heads).items() if v}
     if m.arch == "t2t_vit":
         model = timm.create_model(
@@ -60,6 +61,7 @@ def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> nn
             hybrid_backbone=m.hybrid_backbone if m.arch == "vit_hybrid" else None,
             **({"init_values": m.layer_scale_init} if m.layer_scale_init is not None else {}),
             **({"reg_tokens": m.reg_tokens} if m.reg_tokens else {}),
+            **({} if m.class_token else {"class_token": False}),
         )
     if cfg.engine.activation_checkpointing:  # config.py allows it only for the archs that have it
         model.set_grad_checkpointing(True)

@@ -32,8 +32,9 @@ from core.recipe.sections import (
     TrainSource,
     TrainSpec,
 )
-from core.recipe.teacher_sections import Data2Vec2Objective
+from core.recipe.teacher_sections import Data2Vec2Objective, IJEPAObjective
 from core.recipe.tree import recipe_tree
+from data.multiblock import MultiBlockMasks
 from data.shard_read import ShardReadPolicy
 from data.worker_process import LOADER_TIMEOUT_S
 
@@ -441,6 +442,8 @@ class Config(Section):
                 )
         if isinstance(self.objective, Data2Vec2Objective):
             self._check_teacher_targets()
+        if isinstance(self.objective, IJEPAObjective):
+            self._check_ijepa()
         in_epochs = self.schedule.epochs is not None or self.schedule.warmup_epochs is not None
         if in_epochs and self.data.is_mixture and self.data.samples_per_epoch is None:
             raise ValueError(
@@ -463,6 +466,29 @@ class Config(Section):
             )
         return self
 
+    def _check_ijepa(self) -> None:
+        o, m = self.objective, self.model
+        if m.class_token:
+            raise ValueError("objective.kind ijepa needs model.class_token false (I-JEPA's encoders pool by average)")
+        if o.predictor.embed_dim > m.vit_width:
+            raise ValueError(
+                f"objective.predictor.embed_dim {o.predictor.embed_dim} is wider than the encoder ({m.vit_width}); "
+                "I-JEPA's predictor is a narrow ViT"
+            )
+        try:
+            ijepa_masks(o, m.grid)
+        except ValueError as err:
+            raise ValueError(f"objective.{err}") from None
+        self._check_ema_precision()
+
+    def _check_ema_precision(self) -> None:
+        if self.engine.precision == "fp16":
+            raise ValueError(
+                f"objective.kind {self.objective.kind} does not fit engine.precision fp16: DeepSpeed's fp16 mode casts "
+                "the EMA teacher's weights to fp16, where a step of (1 - decay) x the distance is below the "
+                "resolution; use bf16 or fp32"
+            )
+
     def _check_teacher_targets(self) -> None:
         o, m = self.objective, self.model
         num_tokens = math.prod(m.grid)
@@ -476,12 +502,7 @@ class Config(Section):
             raise ValueError(f"objective.mask_block {o.mask_block} is larger than the token grid {m.grid}")
         if o.top_k_blocks > m.vit_depth:
             raise ValueError(f"objective.top_k_blocks {o.top_k_blocks} is above the encoder's depth {m.vit_depth}")
-        if self.engine.precision == "fp16":
-            raise ValueError(
-                f"objective.kind {o.kind} does not fit engine.precision fp16: DeepSpeed's fp16 mode casts the EMA "
-                "teacher's weights to fp16, where a step of (1 - decay) x the distance is below the resolution; use "
-                "bf16 or fp32"
-            )
+        self._check_ema_precision()
 
     def _check_segmentation(self) -> None:
         """What segmentation does not do: classification's mixing, erasing, policies, distillation and EMA."""
@@ -593,3 +614,19 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML (what goes to run_dir/config.yaml and into checkpoints)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def ijepa_masks(objective: IJEPAObjective, grid: tuple[int, int]) -> MultiBlockMasks:
+    """I-JEPA's per-batch mask sampler for `grid` (data/multiblock.py), from the recipe's objective.
+
+    Raises:
+        ValueError: Blocks that do not fit the grid, or a context that cannot keep `min_keep` tokens (naming the key).
+    """
+    return MultiBlockMasks(
+        grid,
+        num_targets=objective.num_targets,
+        target_scale=objective.target_scale,
+        target_aspect=objective.target_aspect,
+        context_scale=objective.context_scale,
+        min_keep=objective.min_keep,
+    )

@@ -53,6 +53,9 @@ class ModelConfig(Section):
     tokens after the class token, with a position of their own (arch vit and vit_hybrid). Prefix tokens like the
     class token: never masked, never pooled, never reconstructed; exported with the encoder (config.json's
     `reg_tokens`). Fine-tuning from an export needs the export's number (the hand-off refuses another)."""
+    class_token: bool = True
+    """A class token in front of the patches (arch vit and vit_hybrid). I-JEPA's encoders have none: they pool by
+    averaging the patch tokens (model.global_pool avg); fine-tuning from such an export needs false here too."""
     layer_scale_init: float | None = Field(None, gt=0.0)
     """LayerScale: per-channel residual scales initialised to this value (BEiT: 0.1); None turns it off."""
     global_pool: Literal["auto", "token", "avg"] = "auto"
@@ -117,6 +120,14 @@ class ModelConfig(Section):
         return data
 
     @model_validator(mode="after")
+    def _check_class_token(self) -> ModelConfig:
+        if not self.class_token and self.arch not in ("vit", "vit_hybrid"):
+            raise ValueError(f"class_token false needs arch vit or vit_hybrid (timm's ViT), got {self.arch!r}")
+        if not self.class_token and self.global_pool == "token":
+            raise ValueError("global_pool token needs a class token: class_token is false (use avg or auto)")
+        return self
+
+    @model_validator(mode="after")
     def _check_patch(self) -> ModelConfig:
         h, w = self.image_hw
         if self.arch in ("vit", "vit_hybrid") and (h % self.pixel_stride or w % self.pixel_stride):
@@ -142,7 +153,7 @@ def check_arch(model: ModelConfig, objective: Objective, *, activation_checkpoin
             f"model.arch resnet is the backbone of the FPN segmentation heads (objective.kind segmentation, "
             f"objective.head fpn or vt_fpn), not of objective.kind {kind}"
         )
-    if kind in ("mae", "data2vec2") and arch != "vit":
+    if kind in ("mae", "data2vec2", "ijepa") and arch != "vit":
         raise ValueError(
             f"objective.kind {kind} needs model.arch vit, got {arch!r}: it drops the masked tokens before the encoder, "
             "which needs patches the encoder sees independently (a ResNet stem, T2T's overlapping soft splits and "

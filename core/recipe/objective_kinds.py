@@ -15,20 +15,21 @@ from core.recipe.sections import (
     SimMIMObjective,
     VQVAEObjective,
 )
-from core.recipe.teacher_sections import Data2Vec2Objective
+from core.recipe.teacher_sections import Data2Vec2Objective, IJEPAObjective
 
 Objective = Annotated[
     MAEObjective
     | BEiTObjective
     | SimMIMObjective
     | Data2Vec2Objective
+    | IJEPAObjective
     | VQVAEObjective
     | ClassificationObjective
     | SegmentationObjective,
     Field(discriminator="kind"),
 ]
 OBJECTIVES_BY_STAGE = {
-    "pretrain": ("mae", "beit", "simmim", "data2vec2"),
+    "pretrain": ("mae", "beit", "simmim", "data2vec2", "ijepa"),
     "finetune": ("classification", "segmentation"),
     "tokenizer": ("vqvae",),
 }

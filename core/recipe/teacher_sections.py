@@ -1,5 +1,5 @@
-"""Recipe sections of the objectives whose targets are a teacher's features (data2vec 2.0), and the EMA schedule of
-that teacher, which the latent-target objectives share (core/recipe/objective_kinds.py puts them in the one
+"""Recipe sections of the objectives whose targets are a teacher's features (data2vec 2.0, I-JEPA), and the EMA
+schedule of that teacher, which they share (core/recipe/objective_kinds.py puts them in the one
 `objective` union)."""
 
 from __future__ import annotations
@@ -82,3 +82,49 @@ class Data2Vec2Objective(Section):
     """Standard deviation of the noise that fills the masked slots of the decoder's grid (data2vec 2.0: 0.01)."""
     export: Literal["student", "teacher"] = "student"
     """Which encoder the export holds: the student (trained by the optimizer) or the EMA teacher."""
+
+
+class PredictorConfig(Section):
+    """I-JEPA's predictor: a narrow ViT over the context tokens and a mask token at each target position."""
+
+    depth: int = Field(12, gt=0)
+    """Transformer blocks (I-JEPA ViT-H/14: 12)."""
+    embed_dim: int = Field(384, gt=0)
+    """Width; at most the encoder's (I-JEPA ViT-H/14: 384)."""
+    num_heads: int = Field(12, gt=0)
+    """Attention heads; must divide embed_dim (I-JEPA: 12)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> PredictorConfig:
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"num_heads {self.num_heads} does not divide embed_dim {self.embed_dim}")
+        return self
+
+
+class IJEPAObjective(Section):
+    """I-JEPA (Assran et al. 2023): the context encoder (the recipe's ViT, without a class token) sees one large block
+    of the image with the target blocks removed; a narrow predictor predicts, at each of `num_targets` target blocks,
+    the EMA target encoder's features of the whole image (its last output, layer-normalised without affine). No pixel
+    reconstruction, no hand-made augmentation. Needs model.arch vit and model.class_token false."""
+
+    kind: Literal["ijepa"] = "ijepa"
+    """ijepa: I-JEPA with an EMA target encoder (see the section's description); model.arch vit, class_token false."""
+    num_targets: int = Field(4, gt=0)
+    """Target blocks per image (I-JEPA: 4)."""
+    target_scale: tuple[float, float] = (0.15, 0.2)
+    """Each target block's area as a fraction of the token grid (drawn once per batch; I-JEPA: 0.15-0.2)."""
+    target_aspect: tuple[float, float] = (0.75, 1.5)
+    """Target blocks' height / width (I-JEPA: 0.75-1.5)."""
+    context_scale: tuple[float, float] = (0.85, 1.0)
+    """The context block's area before the targets are removed from it (I-JEPA: 0.85-1.0, aspect 1)."""
+    min_keep: int = Field(10, gt=0)
+    """The context keeps more than this many tokens once the targets are removed (I-JEPA: 10)."""
+    predictor: PredictorConfig = PredictorConfig()
+    """The predictor's shape (pretraining only; not exported)."""
+    ema: EMASchedule = EMASchedule(start=0.996, end=1.0, steps=100_000)
+    """The target encoder's momentum, rising linearly (I-JEPA: 0.996 -> 1.0 over the whole run: set steps to
+    schedule.steps)."""
+    loss: Literal["smooth_l1", "l2"] = "smooth_l1"
+    """smooth_l1: the released code's (beta 1); l2: the paper's squared error."""
+    export: Literal["student", "teacher"] = "teacher"
+    """Which encoder the export holds: the EMA target encoder (the one the paper evaluates), or the context encoder."""
