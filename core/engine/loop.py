@@ -28,7 +28,7 @@ from core.engine.compiled import compile_cache_report, compile_seconds
 from core.engine.distributed import all_reduce
 from core.engine.precision import to_device
 from core.engine.rollback import SpikeWatch, roll_back
-from core.engine.schedule import lr_at
+from core.engine.schedule import lr_at, weight_decay_at
 from core.engine.stage import StageRun
 from core.engine.stream import num_train_shards
 from core.engine.train_state import TrainState
@@ -111,11 +111,15 @@ def train(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: Loop
     meter = first_batch = None  # the FLOPs are counted after the first step, on its first micro-batch (start_meter)
     first = _FirstStep.begin()  # None after the first step of this launch
     while step <= total_steps:
+        o = cfg.optim
         lr = lr_at(
-            step, peak_lr=cfg.peak_lr, min_lr=cfg.optim.min_lr, warmup_steps=warmup_steps, total_steps=total_steps
-        )
+            step, peak_lr=cfg.peak_lr, min_lr=o.min_lr, warmup_steps=warmup_steps, total_steps=total_steps,
+            start_lr=o.start_lr,
+        )  # fmt: skip
+        wd = weight_decay_at(step, start=o.weight_decay, end=o.weight_decay_end, total_steps=total_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
+            group["weight_decay"] = wd * group.get("wd_scale", 1.0)
         log_now = step % cfg.logging.every_steps == 0 or step == total_steps
         save_now = step % cfg.checkpoint.every_steps == 0 or step == total_steps
         read_now = log_now or save_now or step % cfg.engine.sync_every_steps == 0

@@ -204,6 +204,8 @@ def build_optimizer(objective: nn.Module, cfg: Config, layout: nn.Module | None 
     else:
         groups = param_groups_weight_decay(source, weight_decay=o.weight_decay, no_weight_decay_list=skip)
     groups = [g for g in groups if any(p.requires_grad for p in g["params"])]  # a frozen encoder (linear probe)
+    for group in groups:  # the loop sets each step's decay (optim.weight_decay_end) where the group has one
+        group["wd_scale"] = 1.0 if group["weight_decay"] else 0.0
     if layout is not None:
         name_of = {id(p): name for name, p in layout.named_parameters()}
         params = dict(objective.named_parameters())

@@ -148,6 +148,11 @@ class OptimConfig(Section):
     weight_decay: float = Field(0.05, ge=0.0)
     """Decoupled weight decay (AdamW) or L2 (SGD, LARS) on the weight matrices; biases, norm weights, tokens and
     position embeddings get none."""
+    weight_decay_end: float | None = Field(None, ge=0.0)
+    """The weight decay at the last step, reached by a half cosine from `weight_decay` at the first (I-JEPA: 0.04 ->
+    0.4); None: `weight_decay` throughout."""
+    start_lr: float = Field(0.0, ge=0.0)
+    """Where the lr warmup starts, rising linearly to the peak (I-JEPA: 2e-4 to 1e-3; MAE: 0)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW's decay rates of the first and second moment estimates (MAE pretraining: 0.9, 0.95; fine-tuning: 0.9,
     0.999)."""
