@@ -2,6 +2,7 @@
 
 python -m data write --source fashion-mnist --split test --out /data/fm/test --shard-size 2000
 python -m data write --source imagefolder --path /data/imagenet/train --out /data/in1k/train --shard-size 5000
+    [--skip-bad]           (leave out the files that are not usable images, listed in OUT/skipped.txt)
 python -m data write --source imagefolder --path /data/imagenet/train --out /data/in1k-384/train --max-side 384 \
     --workers 15           (images stored with their longer side at most 384 px, 15 processes: docs/shards.md)
 Samples are written in a seeded random order (--shuffle-seed, default 0; recorded in index.json), so that every
@@ -14,6 +15,7 @@ and the other ids move down by one unless --no-reduce-zero-label.
 python -m data quickstart --out shards/quickstart   (Fashion-MNIST found or downloaded; else synthetic, loudly)
 python -m data inspect /data/fm/test          (a directory, a brace pattern or a glob)
 python -m data index '/data/laion/{00000..00127}.tar' [--label-field label]   (shards other tools wrote)
+An error is one line on stderr naming what to change, and exit code 2 (as argparse's own), no traceback.
 """
 
 import argparse
@@ -24,6 +26,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import webdataset as wds
@@ -36,13 +39,16 @@ from data.index import index_shards, local_shards, shard_samples
 from data.progress import Progress
 from data.quickstart import write_quickstart
 from data.segmentation import IGNORE_INDEX, SEG_FIELD, SegInfo, decode_mask
+from data.sources import BadImageError
 from data.specs import INDEX_FILE, dataset_size, read_index
-from data.write import DEFAULT_JPEG_QUALITY, write_shards
+from data.write import DEFAULT_JPEG_QUALITY, SKIPPED_FILE, write_shards
 
 SOURCES = ["fashion-mnist", "imagefolder", "synthetic", "segfolder", "fashion-mnist-scenes"]
 SEGMENTATION_SOURCES = ("segfolder", "fashion-mnist-scenes")
 DEFAULT_SHARD_SIZE = 1000
 """Samples per shard unless --shard-size says: ~1,000 ImageNet JPEGs are ~110 MB, 1,000 ADE20K pairs ~130 MB."""
+EXIT_REFUSED = 2
+"""A command refused for its input (a flag, a bad file): argparse's code for a usage error, and launch.sh's."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
         "the shards are the same bytes whatever the number"
     )  # fmt: skip
     write.add_argument(
+        "--skip-bad", action="store_true", help="leave out the files that are not usable images (empty, damaged, not "
+        "JPEG or PNG as named) instead of stopping; they are listed in OUT/skipped.txt and counted in index.json"
+    )  # fmt: skip
+    write.add_argument(
         "--reduce-zero-label", action=argparse.BooleanOptionalAction, default=True,
         help="segfolder: id 0 is 'other', ignored; ids 1.. become 0.. (ADE20K's convention; default on)",
     )  # fmt: skip
@@ -133,6 +143,7 @@ def _write(args: argparse.Namespace) -> None:
         max_side=args.max_side,
         jpeg_quality=DEFAULT_JPEG_QUALITY if args.jpeg_quality is None else args.jpeg_quality,
         num_workers=args.workers,
+        skip_bad=args.skip_bad,
         progress=progress,
     )
     progress.finish()
@@ -141,6 +152,8 @@ def _write(args: argparse.Namespace) -> None:
         f"wrote {index['num_samples']} samples in {len(index['shards'])} shards to {args.out} in {seconds:.1f} s "
         f"({index['num_samples'] / seconds:.0f} images/s)"
     )
+    if index.get("num_skipped"):
+        print(f"skipped {index['num_skipped']} unusable images, listed in {os.path.join(args.out, SKIPPED_FILE)}")
 
 
 def _check_write_args(args: argparse.Namespace) -> None:
@@ -198,7 +211,8 @@ def _index(args: argparse.Namespace) -> None:
 
 
 def inspect_shards(spec: str, num_show: int = 4, *, label_field: str | None = None) -> list[str]:
-    """Describes local shards: counts (scanned from the tar headers), index fields and the first samples.
+    """Describes local shards: counts (scanned from the tar headers), samples per class (for a folder, its
+    index.json's `label_counts`, else the labels read in that scan), index fields and the first samples.
 
     Args:
         spec: Shard directory (with an index.json, or every `*.tar` in it), brace pattern, glob or single path.
@@ -209,15 +223,20 @@ def inspect_shards(spec: str, num_show: int = 4, *, label_field: str | None = No
         Lines of text.
     """
     shards = local_shards(spec)
-    has_image = Counter(image_field(sample) is not None for shard in shards for sample in shard_samples(shard))
     directory = spec if os.path.isdir(spec) else os.path.dirname(shards[0])
     index = read_index(directory) if os.path.isfile(os.path.join(directory, INDEX_FILE)) else {}
     classes = index.get("classes") or []
+    # index.json's label_counts (`data index`) describe its folder's every shard; a pattern may name fewer
+    indexed = index.get("label_counts") if os.path.isdir(spec) else None
+    scan = _scan(shards, indexed is None and "segmentation" not in index, label_field)
+    labels = scan.labels if indexed is None else Counter(dict(enumerate(indexed)))
+    skipped = index.get("num_skipped")
     lines = [
         f"shards: {len(shards)} ({shards[0]} ... {shards[-1]})",
-        f"samples: {has_image[True]} (index.json: {dataset_size(spec) if index else None})"
-        + (f"; without an image: {has_image[False]} (the loaders skip them)" if has_image[False] else ""),
-        f"classes ({len(classes)}): {', '.join(classes)}",
+        f"samples: {scan.num_samples} (index.json: {dataset_size(spec) if index else None})"
+        + (f"; without an image: {scan.num_without_image} (the loaders skip them)" if scan.num_without_image else "")
+        + (f"; left out when written: {skipped} ({os.path.join(directory, SKIPPED_FILE)})" if skipped else ""),
+        _describe_classes(classes, labels, scan.num_without_label),
         f"image_size: {index.get('image_size')}  source: {index.get('source')}  split: {index.get('split')}  "
         f"shuffle_seed: {index.get('shuffle_seed')}"
         + (f"  max_side: {index['max_side']} (JPEG quality {index['jpeg_quality']})" if "max_side" in index else ""),
@@ -225,6 +244,43 @@ def inspect_shards(spec: str, num_show: int = 4, *, label_field: str | None = No
     for sample in itertools.islice(wds.tarfile_samples([{"url": shards[0]}]), num_show):
         lines.append(f"  {sample['__key__']}: {_describe_sample(sample, classes, label_field)}")
     return lines
+
+
+class _Scan(NamedTuple):
+    num_samples: int
+    num_without_image: int
+    labels: Counter
+    num_without_label: int
+
+
+def _scan(shards: list[str], read_labels: bool, label_field: str | None) -> _Scan:
+    """Counts the samples (keys with an image field) and the keys without one; with `read_labels`, the samples per
+    label (`.cls`, or `label_field` of each `.json`) and those without a readable label."""
+    read = frozenset({"cls" if label_field is None else "json"}) if read_labels else frozenset()
+    num_samples = num_without_image = num_without_label = 0
+    labels = Counter()
+    for sample in (sample for shard in shards for sample in shard_samples(shard, read)):
+        if image_field(sample) is None:
+            num_without_image += 1
+            continue
+        num_samples += 1
+        if read_labels:
+            try:
+                labels[read_label(sample, label_field)] += 1
+            except LabelError:
+                num_without_label += 1
+    return _Scan(num_samples, num_without_image, labels, num_without_label)
+
+
+def _describe_classes(classes: list[str], labels: Counter, num_without_label: int) -> str:
+    """`classes (2): cat, dog`; where labels were counted, `classes (2), samples per class: cat: 3, dog: 0`, every
+    class listed (a label beyond them by its number), and `; no label: N` when some samples have none."""
+    if not labels:
+        return f"classes ({len(classes)}): {', '.join(classes)}"
+    names = dict(enumerate(classes))
+    counts = ", ".join(f"{names.get(k, k)}: {labels[k]}" for k in sorted(set(labels) | set(names)))
+    unlabelled = f"; no label: {num_without_label}" if num_without_label else ""
+    return f"classes ({len(classes) or len(labels)}), samples per class: {counts}{unlabelled}"
 
 
 def _describe_sample(sample: dict, classes: list[str], label_field: str | None) -> str:
@@ -268,11 +324,15 @@ def _describe_mask(data: bytes, classes: list[str]) -> str:
 
 
 def _command() -> int | str | None:
-    """`python -m data ...` as a process: a ValueError is its one line (exit code 1)."""
+    """`python -m data ...` as a process: a ValueError is one line on stderr, `python -m data COMMAND: error: ...`
+    as argparse words its own, and exit code `EXIT_REFUSED`; no traceback."""
     try:
         main()
     except ValueError as exn:
-        return f"error: {exn}"
+        command = " ".join(["python -m data", *sys.argv[1:2]])
+        hint = "; fix or remove it, or pass --skip-bad" if isinstance(exn, BadImageError) else ""
+        print(f"{command}: error: {exn}{hint}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
     return 0
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, UnidentifiedImageError
 
 from data.decode import CORRUPT_IMAGE_ERRORS, IMAGE_FIELDS
 from data.fashion_mnist import ENV as FASHION_MNIST_ENV
@@ -51,6 +51,28 @@ class Sample(NamedTuple):
     meta: dict[str, Any]
     seg: Image.Image | None = None
     """A segmentation sample's mask: greyscale, one class id per pixel (data/segmentation.py)."""
+    file: str | None = None
+    """The file the image was read from, as the person gave its folder (`--path` joined with its place in it): how
+    an error names the sample. Not stored (`meta` holds the path within the folder)."""
+
+
+class BadImageError(ValueError):
+    """A sample whose image cannot be stored: a file that is empty, unreadable, not an image, or damaged.
+
+    `python -m data write --skip-bad` leaves such samples out and lists them; any other bad sample (a label outside
+    the classes, a mask that does not fit) still stops the write.
+
+    Args:
+        where: The sample's file (`Sample.file`), else `sample KEY (PATH)`.
+        reason: What is wrong with it, in the terms of the person who gave the file.
+    """
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(where, reason)  # both in `args`: the error pickles back from a write worker whole
+        self.where, self.reason = where, reason
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}"
 
 
 class Source(NamedTuple):
@@ -159,7 +181,8 @@ def fashion_mnist(path: str | None, split: str, *, download: bool = True) -> Sou
 def image_folder(path: str, split: str) -> Source:
     """A class-per-subfolder tree (`path/<class>/<image>`), classes and files in sorted order (hidden folders skipped).
 
-    JPEG and PNG files are passed on as their original bytes; BMP and WebP are decoded (and stored as PNG).
+    JPEG and PNG files are passed on as their original bytes; BMP and WebP are decoded (and stored as PNG). A file
+    that cannot be read or decoded raises `BadImageError` when its sample is loaded.
 
     Args:
         path: The root folder; each subfolder is one class.
@@ -183,19 +206,31 @@ def image_folder(path: str, split: str) -> Source:
     def load(i: int) -> Sample:
         file, label = files[i]
         meta = {"label": label, "source_index": i, "path": os.path.relpath(file, path)}
-        if file.lower().endswith((".jpg", ".jpeg", ".png")):
-            with open(file, "rb") as f:
-                image = f.read()
-        else:
-            try:
-                with Image.open(file) as img:
-                    img.load()
-                    image = img
-            except CORRUPT_IMAGE_ERRORS as exn:
-                raise ValueError(f"sample {split}_{i:08d} ({meta['path']}): its image does not decode ({exn})") from exn
-        return Sample(f"{split}_{i:08d}", image, label, meta)
+        return Sample(f"{split}_{i:08d}", _read_image_file(file), label, meta, file=file)
 
     return Source(classes, len(files), load)
+
+
+def _read_image_file(file: str) -> Image.Image | bytes:
+    """A JPEG's or PNG's bytes as they are (`data.write.encode_image` checks them); any other image decoded.
+
+    Raises:
+        BadImageError: Naming the file, for one that cannot be read, or a BMP or WebP that does not decode.
+    """
+    try:
+        if file.lower().endswith((".jpg", ".jpeg", ".png")):
+            with open(file, "rb") as f:
+                return f.read()
+        with Image.open(file) as img:
+            img.load()
+            return img
+    except CORRUPT_IMAGE_ERRORS as exn:  # OSError includes a file that cannot be opened
+        if isinstance(exn, OSError) and exn.filename is not None:  # open(): permission denied, gone, a folder
+            raise BadImageError(file, f"cannot be read ({exn.strerror})") from exn
+        if os.path.getsize(file) == 0:
+            raise BadImageError(file, "not a readable image (empty file)") from exn
+        why = "no image format Pillow knows" if isinstance(exn, UnidentifiedImageError) else f"does not decode: {exn}"
+        raise BadImageError(file, f"not a readable image ({why})") from exn
 
 
 def synthetic(num_samples: int, image_size: int, num_classes: int, seed: int, split: str) -> Source:

@@ -8,22 +8,27 @@ Layout of an output directory:
         key.seg.png          the class id of every pixel, greyscale PNG (a segmentation set, data/segmentation.py)
         key.json             metadata, e.g. {"label": 3, "source_index": 42}
     index.json                {"shards": [{"name", "num_samples"}], "num_samples", "classes", "image_size",
-                               "source", "split", "shuffle_seed"[, "segmentation"][, "max_side", "jpeg_quality"]};
+                               "source", "split", "shuffle_seed"[, "segmentation"][, "max_side", "jpeg_quality"]
+                               [, "num_skipped"]};
                                written last and atomically, so its presence means every shard it names is complete.
                                `shuffle_seed` is the seed of the order the samples were written in
                                (`data.sources.shuffled_order`), null for the source's own order. A segmentation
                                set's "segmentation" holds {"num_classes", "ignore_index", "reduce_zero_label"}.
 
-Each shard is written under `NAME.tmp` and renamed when complete; a write stopped by an error removes the shard it
-was writing. Samples are checked and encoded by `encode_sample`, in this process or in `num_workers` forked ones
-(data/write_workers.py); the tar files are written here, in order, so the shards are the same bytes either way.
+Every shard is written under `NAME.tmp` and renamed once the last sample is written, just before `index.json`: a write
+stopped by an error (or Ctrl-C) removes every shard it wrote, so it leaves nothing that looks complete and the same
+command can run again into the same folder. Samples are checked and encoded by `encode_sample`, in this process or in
+`num_workers` forked ones (data/write_workers.py); the tar files are written here, in order, so the shards are the
+same bytes either way. With `skip_bad`, a sample whose image is unusable (`data.sources.BadImageError`) is left out
+and listed in `skipped.txt` (one line per file: where it is, a tab, why), which `index.json` counts (`num_skipped`).
 """
 
+import contextlib
 import functools
 import io
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -33,7 +38,7 @@ from PIL import ExifTags, Image, ImageOps
 from data.decode import CORRUPT_IMAGE_ERRORS, to_rgb
 from data.progress import Progress
 from data.segmentation import IGNORE_INDEX, SEG_FIELD, SegInfo, check_num_classes
-from data.sources import Sample
+from data.sources import BadImageError, Sample
 from data.specs import INDEX_FILE
 from data.write_workers import encode_in_workers
 
@@ -42,8 +47,14 @@ DEFAULT_JPEG_QUALITY = 90
 384 px: 49 KB, 4.9 levels RMS from the downscaled pixels (MAE's targets); 95 takes 1.4x the bytes for 3.6, Pillow's
 default of 75 0.6x for 7.2."""
 
+SKIPPED_FILE = "skipped.txt"
+"""The samples `skip_bad` left out, beside index.json: one line per file, where it is, a tab, why."""
+
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_JPEG_END = b"\xff\xd9"  # the end-of-image marker
+_PNG_END = b"IEND\xaeB`\x82"  # the IEND chunk's type and CRC
+_FORMATS = {"jpg": "JPEG", "png": "PNG"}  # by the extension a shard stores them under
 _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height (a 90 or 270 degree turn)
 
 
@@ -71,14 +82,21 @@ class EncodedSample(NamedTuple):
     """A segmentation sample's largest class id; -1 when every pixel is ignored, and for a classification sample."""
 
 
+class Skipped(NamedTuple):
+    """A sample `skip_bad` left out: where its image is and why it is unusable (`BadImageError`)."""
+
+    where: str
+    reason: str
+
+
 def encode_image(
     name: str, image: Image.Image | bytes, max_side: int | None = None, jpeg_quality: int = DEFAULT_JPEG_QUALITY
 ) -> tuple[str, bytes, tuple[int, int]]:
     """Encodes one image for a shard.
 
     Args:
-        name: How errors name the sample: its key, and its file when known.
-        image: A PIL image (encoded as PNG) or JPEG/PNG bytes (stored unchanged).
+        name: How errors name the sample: its file, else its key.
+        image: A PIL image (encoded as PNG) or JPEG/PNG bytes (stored unchanged once `check_image_bytes` passes them).
         max_side: An image whose longer side exceeds this is stored downscaled (`downscale`), as a JPEG of
             `jpeg_quality`; one at or under it as without `max_side`.
         jpeg_quality: Quality (1-100) of a downscaled image's JPEG.
@@ -87,25 +105,17 @@ def encode_image(
         The file extension (`png` or `jpg`), the encoded bytes and the image's (height, width).
 
     Raises:
-        ValueError: Naming the sample, if `image` is bytes in another format or bytes that do not decode (only their
-            header is read, unless the image is downscaled).
+        BadImageError: Naming the sample, for bytes that are empty, neither JPEG nor PNG, or that do not decode.
     """
     if isinstance(image, Image.Image):
         ext, width, height = "png", image.width, image.height
-    elif image.startswith(_JPEG_MAGIC) or image.startswith(_PNG_MAGIC):
-        ext = "jpg" if image.startswith(_JPEG_MAGIC) else "png"
-        try:
-            with Image.open(io.BytesIO(image)) as img:  # reads the header only
-                width, height = img.size
-        except CORRUPT_IMAGE_ERRORS as exn:
-            raise ValueError(f"sample {name}: its {ext.upper()} header does not decode ({exn})") from exn
     else:
-        raise ValueError(f"sample {name}: image bytes are neither JPEG nor PNG; pass a PIL image instead")
+        ext, (width, height) = check_image_bytes(name, image)
     if max_side is not None and max(width, height) > max_side:
         try:
             small = downscale(image, max_side)
         except CORRUPT_IMAGE_ERRORS as exn:
-            raise ValueError(f"sample {name}: its image does not decode, so it cannot be downscaled ({exn})") from exn
+            raise BadImageError(name, f"not a readable image (damaged {_FORMATS[ext]}: {exn})") from exn
         buffer = io.BytesIO()
         small.save(buffer, format="JPEG", quality=jpeg_quality)
         return "jpg", buffer.getvalue(), (small.height, small.width)
@@ -114,6 +124,33 @@ def encode_image(
         image.save(buffer, format="PNG")
         return "png", buffer.getvalue(), (height, width)
     return ext, image, (height, width)
+
+
+def check_image_bytes(name: str, data: bytes) -> tuple[str, tuple[int, int]]:
+    """The extension (`jpg` or `png`) and (width, height) of image bytes to be stored as they are, once known to
+    decode as the loaders decode them.
+
+    Bytes whose header reads and that end as their format ends (a JPEG's end-of-image marker, a PNG's IEND chunk)
+    are taken as whole without decoding their pixels, which would cost more than the rest of writing them (measured:
+    docs/shards.md). The others, a file cut short or one with data after its end, are decoded in full and kept if
+    they decode.
+
+    Raises:
+        BadImageError: Naming the sample (`name`), for bytes that are empty, neither JPEG nor PNG, or do not decode.
+    """
+    if not data:
+        raise BadImageError(name, "not a readable image (empty file)")
+    if data.startswith(_JPEG_MAGIC) or data.startswith(_PNG_MAGIC):
+        ext, end = ("jpg", _JPEG_END) if data.startswith(_JPEG_MAGIC) else ("png", _PNG_END)
+    else:
+        raise BadImageError(name, "not a readable image (neither JPEG nor PNG data)")
+    try:
+        with Image.open(io.BytesIO(data)) as img:  # reads the header only
+            if not data.endswith(end):
+                img.load()  # Pillow raises where the loaders would: "image file is truncated"
+            return ext, img.size
+    except CORRUPT_IMAGE_ERRORS as exn:
+        raise BadImageError(name, f"not a readable image (damaged {_FORMATS[ext]}: {exn})") from exn
 
 
 def downscale(image: Image.Image | bytes, max_side: int) -> Image.Image:
@@ -166,16 +203,17 @@ def encode_sample(sample: Sample | tuple, encoding: Encoding) -> EncodedSample:
     """Checks one sample and encodes it as its shard stores it.
 
     Raises:
-        ValueError: Naming the sample (and its file, when its meta has a `path`): a label outside the classes, a key
-            with a dot or slash, an image `encode_image` refuses; for a segmentation set a sample without a mask, a
-            mask whose size differs from its image's or with an id outside the classes.
+        BadImageError: Naming the sample's file (else its key, and its meta's `path` when it has one) for an image
+            `encode_image` refuses.
+        ValueError: Naming the sample: a label outside the classes, a key with a dot or slash; for a segmentation set
+            a sample without a mask, a mask whose size differs from its image's or with an id outside the classes.
     """
-    key, image, label, meta, seg = Sample(*sample)
+    key, image, label, meta, seg, file = Sample(*sample)
     if encoding.segmentation is None and not (label is not None and 0 <= label < encoding.num_classes):
         raise ValueError(f"sample {key}: label {label} outside [0, {encoding.num_classes})")
     if "." in key or "/" in key:
         raise ValueError(f"sample key {key!r} must not contain '.' or '/' (WebDataset splits names there)")
-    name = f"{key} ({meta['path']})" if "path" in meta else key
+    name = file or (f"sample {key} ({meta['path']})" if "path" in meta else f"sample {key}")
     ext, data, size = encode_image(name, image, encoding.max_side, encoding.jpeg_quality)
     fields = {"__key__": key, ext: data, "json": meta}
     if encoding.segmentation is None:
@@ -197,6 +235,7 @@ def write_shards(
     max_side: int | None = None,
     jpeg_quality: int = DEFAULT_JPEG_QUALITY,
     num_workers: int = 1,
+    skip_bad: bool = False,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Writes samples into `out_dir/{split}-{000000}.tar` shards of `shard_size` samples, then `index.json`.
@@ -217,14 +256,17 @@ def write_shards(
         jpeg_quality: JPEG quality (1-100) of the downscaled images.
         num_workers: Processes that load (from a sequence) and encode the samples; with more than one, `samples`
             must be a sequence. The shards are the same bytes whatever the number.
-        progress: Advanced by one per sample written.
+        skip_bad: Leave out the samples whose image is unusable (`BadImageError`), list them in `SKIPPED_FILE`
+            (written only when there are some) and count them in the index's `num_skipped`.
+        progress: Advanced by one per sample written or skipped.
 
     Returns:
         The index written to `out_dir/index.json`. Its `image_size` is [H, W] as stored, or None when sizes differ.
 
     Raises:
-        ValueError: Naming the sample, as `encode_sample`; for arguments out of range or an output directory that
-            already holds shards. The shards completed before a bad sample stay; the one being written is removed.
+        BadImageError: Naming the sample's file, for an unusable image (without `skip_bad`).
+        ValueError: Naming the sample, as `encode_sample`; for arguments out of range, an output directory that
+            already holds shards, or nothing left to write. A write stopped by an error removes every shard it wrote.
     """
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
@@ -232,14 +274,11 @@ def write_shards(
     if segmentation is not None:
         check_num_classes(segmentation.num_classes or len(classes) or None, f"segmentation set {out_dir}")
     _check_out_dir(out_dir, split)
-    encode = functools.partial(encode_sample, encoding=Encoding(len(classes), segmentation, max_side, jpeg_quality))
-    if num_workers > 1:
-        if not isinstance(samples, Sequence):
-            raise ValueError(f"num_workers={num_workers} needs the samples as a sequence (e.g. Source.select(order))")
-        encoded = encode_in_workers(samples, encode, num_workers)
-    else:
-        encoded = map(encode, samples)
-    shards, sizes, largest_id = _write_tars(encoded, out_dir, split, shard_size, progress)
+    if num_workers > 1 and not isinstance(samples, Sequence):
+        raise ValueError(f"num_workers={num_workers} needs the samples as a sequence (e.g. Source.select(order))")
+    encoding = Encoding(len(classes), segmentation, max_side, jpeg_quality)
+    encoded = _encode_all(samples, encoding, num_workers, skip_bad)
+    shards, sizes, largest_id, skipped = _write_tars(encoded, out_dir, split, shard_size, progress)
     index = {
         "shards": shards,
         "num_samples": sum(s["num_samples"] for s in shards),
@@ -259,11 +298,42 @@ def write_shards(
         }
     if max_side is not None:
         index.update(max_side=max_side, jpeg_quality=jpeg_quality)
-    tmp_path = os.path.join(out_dir, INDEX_FILE + ".tmp")
-    with open(tmp_path, "w") as f:
-        json.dump(index, f, indent=1)
-    os.replace(tmp_path, os.path.join(out_dir, INDEX_FILE))
+    if skip_bad:
+        index["num_skipped"] = len(skipped)
+    if skipped:  # sorted by file: the order they were written in is a shuffle
+        lines = [f"{s.where}\t{s.reason}\n" for s in sorted(skipped)]
+        _write_atomically(os.path.join(out_dir, SKIPPED_FILE), "".join(lines))
+    _write_atomically(os.path.join(out_dir, INDEX_FILE), json.dumps(index, indent=1))  # last: the write's commit
     return index
+
+
+def _encode_all(
+    samples: Iterable[Sample | tuple], encoding: Encoding, num_workers: int, skip_bad: bool
+) -> Iterator[EncodedSample | Skipped]:
+    """The samples encoded in order, by `num_workers` processes (from a sequence, which each loads from) or here."""
+    encode = functools.partial(encode_sample, encoding=encoding)
+    if isinstance(samples, Sequence):  # loading goes into `encode`, so that `skip_bad` covers a file that won't read
+        encode, samples = functools.partial(_load_and_encode, samples, encode), range(len(samples))
+    if skip_bad:
+        encode = functools.partial(_skip_bad_image, encode)
+    return encode_in_workers(samples, encode, num_workers) if num_workers > 1 else map(encode, samples)
+
+
+def _load_and_encode(samples: Sequence[Sample | tuple], encode: Callable[[Any], EncodedSample], k: int) -> Any:
+    return encode(samples[k])
+
+
+def _skip_bad_image(encode: Callable[[Any], EncodedSample], item: Any) -> EncodedSample | Skipped:
+    try:
+        return encode(item)
+    except BadImageError as err:
+        return Skipped(err.where, err.reason)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def _check_resize(max_side: int | None, jpeg_quality: int, segmentation: SegInfo | None) -> None:
@@ -290,46 +360,51 @@ def _check_out_dir(out_dir: str, split: str) -> None:
 
 
 def _write_tars(
-    encoded: Iterator[EncodedSample], out_dir: str, split: str, shard_size: int, progress: Progress | None
-) -> tuple[list[dict[str, Any]], set[tuple[int, int]], int]:
-    """Writes the encoded samples into shards in order.
+    encoded: Iterator[EncodedSample | Skipped], out_dir: str, split: str, shard_size: int, progress: Progress | None
+) -> tuple[list[dict[str, Any]], set[tuple[int, int]], int, list[Skipped]]:
+    """Writes the encoded samples into shards in order, each under `NAME.tmp`; renames them all once every sample is
+    written. Stopped by an error, it removes every shard it wrote.
 
     Returns:
-        The shards' index entries, the image sizes seen, the largest class id of a segmentation set's masks.
+        The shards' index entries, the image sizes seen, the largest class id of a segmentation set's masks, the
+        samples skipped.
     """
     shards: list[dict[str, Any]] = []
     sizes: set[tuple[int, int]] = set()
-    largest_id = -1
-    writer, path = None, ""
+    largest_id, skipped = -1, []
+    writer = None
     try:
         for sample in encoded:
+            if progress is not None:
+                progress.advance()
+            if isinstance(sample, Skipped):
+                skipped.append(sample)
+                continue
             if writer is not None and shards[-1]["num_samples"] == shard_size:
-                _close_shard(writer, path)
+                writer.close()
                 writer = None
             if writer is None:
                 shards.append({"name": f"{split}-{len(shards):06d}.tar", "num_samples": 0})
-                path = os.path.join(out_dir, shards[-1]["name"])
                 # An integer mtime avoids a PAX header per member (a float one adds 1 KiB each) and makes shards
                 # byte-for-byte reproducible.
-                writer = wds.TarWriter(path + ".tmp", mtime=0)
+                writer = wds.TarWriter(os.path.join(out_dir, shards[-1]["name"] + ".tmp"), mtime=0)
             writer.write(sample.fields)
             shards[-1]["num_samples"] += 1
             sizes.add(sample.size)
             largest_id = max(largest_id, sample.largest_id)
-            if progress is not None:
-                progress.advance()
         if writer is None:
-            raise ValueError(f"no samples to write to {out_dir}")
-        _close_shard(writer, path)
+            bad = f": all {len(skipped)} images were unusable, e.g. {skipped[0].where} ({skipped[0].reason})"
+            raise ValueError(f"no samples to write to {out_dir}{bad if skipped else ''}")
+        writer.close()
         writer = None
-    finally:
-        if writer is not None:  # stopped by an error: the shard being written goes, under any name
+    except BaseException:  # an error or Ctrl-C: nothing this write made stays
+        if writer is not None:
             writer.close()
-            os.remove(path + ".tmp")
-    return shards, sizes, largest_id
-
-
-def _close_shard(writer: wds.TarWriter, path: str) -> None:
-    """Finishes a shard written under `path.tmp` and moves it to `path`."""
-    writer.close()
-    os.replace(path + ".tmp", path)
+        for shard in shards:
+            with contextlib.suppress(FileNotFoundError):  # the last one, when its file could not be made
+                os.remove(os.path.join(out_dir, shard["name"] + ".tmp"))
+        raise
+    for shard in shards:
+        path = os.path.join(out_dir, shard["name"])
+        os.replace(path + ".tmp", path)
+    return shards, sizes, largest_id, skipped

@@ -66,5 +66,7 @@ def test_data_command_writes_and_inspects_as_python_m_data(tmp_path):
     )
     assert via_cli.returncode == direct.returncode == 0 and via_cli.stdout == direct.stdout
     failed = mimpipe("data", "write", "--source", "imagefolder", "--out", str(tmp_path / "c"), "--shard-size", "1")
-    assert failed.returncode == 1  # the module's own error handling, as under python -m data
-    assert failed.stderr.strip() == "error: --source imagefolder needs --path (the class-per-subfolder root)"
+    assert failed.returncode == 2  # the module's own error handling, as under python -m data
+    assert failed.stderr.strip() == (
+        "python -m data write: error: --source imagefolder needs --path (the class-per-subfolder root)"
+    )
