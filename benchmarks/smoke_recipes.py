@@ -100,12 +100,28 @@ CHAINS: dict[str, tuple[Stage, ...]] = {
         Stage("data2vec2_vitl"),
         Stage("finetune_vitl", takes=(("model.init", "data2vec2_vitl"),)),
     ),
+    "ijepa_vith14": (
+        Stage("ijepa_vith14"),
+        Stage(
+            "finetune_vith",
+            takes=(("model.init", "ijepa_vith14"),),
+            settings=("model.class_token=false", "model.global_pool=avg"),
+        ),
+    ),
+    "ijepa_vitb16": (
+        Stage("ijepa_vitb16"),
+        Stage(
+            "finetune_vitb",
+            takes=(("model.init", "ijepa_vitb16"),),
+            settings=("model.class_token=false", "model.global_pool=avg"),
+        ),
+    ),
     "t2t_vit14": (Stage("t2t_vit14"),),  # trained from scratch: no pretraining stage to hand over
     "vt_resnet18": (Stage("vt_resnet18"),),  # VT is fine-tuned only (docs/encoders.md)
     # The recipe starts from an ImageNet ResNet-50 the user saves; no chain makes one, so this runs from timm's init.
     "seg_vtfpn_r50": (Stage("seg_vtfpn_r50_ade20k", settings=("model.init=null",)),),
 }
-REDUCED: dict[str, tuple[str, ...]] = {"mae_vith": ("model.depth=8",)}
+REDUCED: dict[str, tuple[str, ...]] = {"mae_vith": ("model.depth=8",), "ijepa_vith14": ("model.depth=8",)}
 """Chains run a second time with these overrides when a stage did not fit in memory: ViT-H/14 with 8 of its 32
 blocks keeps the width, heads, patch 14, 16x16 grid, decoder and ZeRO-2 of the recipe at a quarter of the memory."""
 CI_CHAINS: dict[str, tuple[Stage, ...]] = {"mae_vitb": CHAINS["mae_vitb"][:2]}

@@ -42,6 +42,7 @@ def pretrain_transform(
     std: Sequence[float],
     scale: tuple[float, float] = (0.2, 1.0),
     decode: Literal["worker", "device"] = "worker",
+    hflip: float = 0.5,
 ) -> "CropFlip":
     """MAE's pretraining augmentation: bicubic RandomResizedCrop and a horizontal flip, nothing else.
 
@@ -56,9 +57,10 @@ def pretrain_transform(
         scale: Range of the crop's area as a fraction of the image.
         decode: Where JPEGs are decoded and rendered (`data.decode`): in the data worker, or on the training device
             for those it can take (data/device_decode.py).
+        hflip: Probability of the horizontal flip (`data.hflip`; I-JEPA: 0).
     """
     view = View(img_size, T.InterpolationMode.BICUBIC, mean, std)
-    return CropFlip([view], scale=scale, device_decode=decode == "device")
+    return CropFlip([view], scale=scale, hflip=hflip, device_decode=decode == "device")
 
 
 def finetune_train_transform(

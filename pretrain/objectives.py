@@ -95,7 +95,7 @@ def _ijepa_builder(cfg: Config) -> Callable[[], nn.Module]:
 
 def _mae_transform(cfg: Config):
     d = cfg.data
-    return pretrain_transform(cfg.model.img_size, d.mean, d.std, scale=d.crop_scale, decode=d.decode)
+    return pretrain_transform(cfg.model.img_size, d.mean, d.std, scale=d.crop_scale, decode=d.decode, hflip=d.hflip)
 
 
 def _beit_transform(cfg: Config):

@@ -95,6 +95,9 @@ class DataConfig(Section):
     model."""
     crop_scale: tuple[float, float] = (0.2, 1.0)
     """RandomResizedCrop area range (MAE pretraining: 0.2-1.0)."""
+    hflip: float = Field(0.5, ge=0.0, le=1.0)
+    """Pretraining: probability of a horizontal flip after the crop (MAE, data2vec 2.0: 0.5; I-JEPA: 0, crops only).
+    Fine-tuning flips with augment.hflip."""
     decode: Literal["worker", "device"] = "worker"
     """Where the pretraining crop's JPEGs are decoded: worker (in the data workers); device: the workers read only
     each JPEG's header and draw its box and flip (the same draws), and the training process decodes the batch on its

@@ -38,6 +38,7 @@ IGNORED: dict[str, dict[str, str]] = {
     },
     "finetune": {
         "data.decode": "fine-tuning's crops (policies, erasing, segmentation's) decode in the data workers",
+        "data.hflip": "fine-tuning flips with augment.hflip",
     },
     "finetune/segmentation": {
         "model.head_init": "the encoder gets no classifier; the segmentation head has its own init",
