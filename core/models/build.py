@@ -61,7 +61,7 @@ def build_model(cfg: Config, num_classes: int = 0, *, plain: bool = False) -> nn
             hybrid_backbone=m.hybrid_backbone if m.arch == "vit_hybrid" else None,
             **({"init_values": m.layer_scale_init} if m.layer_scale_init is not None else {}),
             **({"reg_tokens": m.reg_tokens} if m.reg_tokens else {}),
-            **({} if m.class_token else {"class_token": False}),
+            **({} if m.class_token else no_class_token(cfg.stage)),
         )
     if cfg.engine.activation_checkpointing:  # config.py allows it only for the archs that have it
         model.set_grad_checkpointing(True)
@@ -78,3 +78,10 @@ def model_args(model: nn.Module) -> dict[str, Any]:
     if isinstance(model, VisionTransformer):  # hybrid: the width and depth as built, whatever was passed
         args.update(embed_dim=model.embed_dim, depth=len(model.blocks), num_heads=model.blocks[0].attn.num_heads)
     return args
+
+
+def no_class_token(stage: str) -> dict[str, Any]:
+    """timm's arguments of a ViT without a class token (`model.class_token: false`). Pretraining keeps the final norm
+    on every token (`fc_norm` off), as I-JEPA's encoders do: its objectives read the normalised tokens, and the export
+    pools them by average. Fine-tuning keeps timm's average-pool layout, whose norm follows the pooling."""
+    return {"class_token": False, **({"fc_norm": False} if stage == "pretrain" else {})}

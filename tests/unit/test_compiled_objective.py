@@ -1,9 +1,9 @@
 """`engine.compile_scope: objective`: the objective's whole training step in one graph (core/engine/compiled.py
 `compile_objective`), counted through a torch.compile backend that runs graphs as AOT autograd traced them: one
 forward and one backward graph, no graph break, for MAE, BEiT-style, SimMIM, data2vec 2.0 (its EMA teacher's pass
-inside, under no_grad) and classification; the same losses and gradients as eager; eager at any other batch, in
-evaluation and in deep copies; DeepSpeed's module hooks outside the graph (through `parallelize`); and
-`engine.compile: auto`."""
+inside, under no_grad), I-JEPA (its multi-block masks travel as batch tensors) and classification; the same losses and
+gradients as eager; eager at any other batch, in evaluation and in deep copies; DeepSpeed's module hooks outside the
+graph (through `parallelize`); and `engine.compile: auto`."""
 
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ from core.engine.compiled import (
 )
 from core.engine.setup import parallelize
 from core.recipe.config import ConfigError, load_config
-from core.recipe.teacher_sections import ConvDecoderConfig, EMASchedule
+from core.recipe.teacher_sections import ConvDecoderConfig, EMASchedule, PredictorConfig
 from data.masking import InverseBlockMaskGenerator, MaskStack
+from data.multiblock import MultiBlockMasks
 from pretrain.data2vec2 import Data2Vec2
+from pretrain.ijepa import IJEPA
 from tests.helpers.models import tiny_vit
 from tests.unit.test_compiled import OBJECTIVES, GraphCounter, _images, _mae, _train_step
 
@@ -54,9 +56,23 @@ def _copies(batch: int, num_masks: int = 2) -> torch.Tensor:
     return torch.stack([masks(rng) for _ in range(batch)])
 
 
+def _ijepa() -> IJEPA:
+    encoder, teacher = (tiny_vit(seed, class_token=False, global_pool="avg") for seed in (0, 1))
+    predictor = PredictorConfig(depth=2, embed_dim=16, num_heads=2)
+    return IJEPA(encoder.train(), teacher, ema=EMASchedule(), predictor=predictor)
+
+
+def _multiblock(batch: int) -> dict[str, torch.Tensor]:
+    """The masks the data workers draw for a batch: "context_ids" (B, Nc) and "target_ids" (B, 2, 4), two 2 x 2
+    target blocks per image."""
+    masks = MultiBlockMasks((4, 4), num_targets=2, target_scale=(0.25, 0.25), target_aspect=(1.0, 1.0), min_keep=4)
+    return masks.draw(batch, random.Random(batch))
+
+
 BUILDS = {
     "mae": (_mae, lambda b: {"image": _images(b)}),
     "data2vec2": (_data2vec2, lambda b: {"image": _images(b), "mask": _copies(b)}),
+    "ijepa": (_ijepa, lambda b: {"image": _images(b), **_multiblock(b)}),
     **OBJECTIVES,
 }
 
