@@ -95,6 +95,16 @@ ARMS = (
         cap_s=200,
     ),
     Arm(
+        "ijepa-vith14-compiled-z0",
+        "I-JEPA ViT-H/14 compiled, ZeRO-0 (128 images; the target encoder's pass and the predictor counted)",
+        "step",
+        recipe="ijepa_vith14",
+        batch=128,
+        compiled=True,
+        overrides=Z0,
+        cap_s=240,
+    ),
+    Arm(
         "d2v-vitl-compiled-z0",
         "data2vec 2.0 ViT-L/16 compiled, ZeRO-0 (128 images x 16 copies; the teacher's pass counted)",
         "step",

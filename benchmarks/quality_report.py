@@ -13,13 +13,14 @@ import json
 import statistics
 from pathlib import Path
 
-ENCODERS = ("mae", "beit", "mpp", "simmim", "data2vec2", "scratch")
+ENCODERS = ("mae", "beit", "mpp", "simmim", "data2vec2", "ijepa", "scratch")
 NAMES = {
     "mae": "MAE",
     "beit": "BEiT-style (tokenizer codes)",
     "mpp": "ViT-paper masked-patch prediction (3-bit mean colour)",
     "simmim": "SimMIM",
     "data2vec2": "data2vec 2.0 (EMA teacher's features)",
+    "ijepa": "I-JEPA (EMA target encoder's features of blocks)",
     "scratch": "scratch (no pretraining)",
 }
 """A variant of an objective is its own encoder, `{objective}_{label}` (recipes/bench/{objective}_{label}.yaml, based

@@ -38,7 +38,7 @@ from core.recipe.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "time_to_accuracy.md"
 SAMPLE_S = 1.0
-NAMES = {"mae": "MAE", "data2vec2": "data2vec 2.0"}
+NAMES = {"mae": "MAE", "data2vec2": "data2vec 2.0", "ijepa": "I-JEPA"}
 GOALS = (
     "data2vec 2.0 reaches MAE's end-of-pretraining kNN and linear probe in at most a third of MAE's pretraining "
     "CPU-seconds; at MAE's pretraining CPU-seconds its linear probe is at least 2 points above MAE's"
@@ -112,7 +112,7 @@ def pretrain(objective: str, root: Path, args: argparse.Namespace) -> dict:
         f"checkpoint.keep_last={args.points + 1}",
         f"logging.every_steps={every}",
     ]
-    if objective == "data2vec2":
+    if objective in ("data2vec2", "ijepa"):
         overrides.append(f"objective.ema.steps={steps}")  # the decay schedule spans the (scaled) run
     env = {**os.environ, "NPROC_PER_NODE": "1", "HF_HUB_OFFLINE": "1", "PYTHON": sys.executable}
     print(f"[time-to-accuracy] {objective}: ./launch.sh {recipe.relative_to(REPO)} {' '.join(overrides)}", flush=True)
@@ -144,18 +144,21 @@ def export_points(objective: str, root: Path, steps: list[int]) -> list[Path]:
 
 def evaluate(exports: list[Path], root: Path, args: argparse.Namespace) -> dict[str, dict]:
     """One `mimpipe evaluate` of every export: {export folder name: its metrics}."""
-    out = root / "evaluate"
-    report = out / "report.json"
-    if report.is_file():  # a rerun (e.g. for the fine-tuning arms) measures nothing again
-        rows = json.loads(report.read_text())["rows"]
-        if {Path(row["checkpoint"]).name for row in rows} == {e.name for e in exports}:
-            return {Path(row["checkpoint"]).name: row["metrics"] for row in rows}
-    command = [str(Path(sys.executable).parent / "mimpipe"), "evaluate", *map(str, exports)]
-    command += ["--train", str(args.shards / "train"), "--val", str(args.shards / "test"), "--suite", "knn,linear"]
-    command += ["--max-train", str(args.max_train), "--max-val", str(args.max_val), "--num-workers", "0"]
-    subprocess.run([*command, "--out", str(out)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    rows = json.loads((out / "report.json").read_text())["rows"]
-    return {Path(row["checkpoint"]).name: row["metrics"] for row in rows}
+    done = {}  # a rerun (another objective added, the fine-tuning arms) measures only what it has not measured
+    for report in sorted(root.glob("evaluate*/report.json")):
+        done |= {Path(row["checkpoint"]).name: row["metrics"] for row in json.loads(report.read_text())["rows"]}
+    missing = [e for e in exports if e.name not in done]
+    if missing:  # the same images in the same order and the same settings as every earlier call
+        out = root / f"evaluate_{len(list(root.glob('evaluate*')))}"
+        command = [str(Path(sys.executable).parent / "mimpipe"), "evaluate", *map(str, missing)]
+        command += ["--train", str(args.shards / "train"), "--val", str(args.shards / "test"), "--suite", "knn,linear"]
+        command += ["--max-train", str(args.max_train), "--max-val", str(args.max_val), "--num-workers", "0"]
+        subprocess.run([*command, "--out", str(out)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        done |= {
+            Path(row["checkpoint"]).name: row["metrics"]
+            for row in json.loads((out / "report.json").read_text())["rows"]
+        }
+    return {e.name: done[e.name] for e in exports}
 
 
 def curves(cpu: dict[str, dict[int, float]], metrics: dict[str, dict]) -> dict[str, list[dict]]:
@@ -308,7 +311,7 @@ def plot(found: dict[str, list[dict]], path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--objectives", default="mae,data2vec2", help="recipes/bench/ names (default: %(default)s)")
+    p.add_argument("--objectives", default="mae,data2vec2,ijepa", help="recipes/bench/ names (default: %(default)s)")
     p.add_argument("--points", type=int, default=5, help="checkpoints measured per pretraining (default 5)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every pretraining's steps (default 1)")
     p.add_argument("--seed", type=int, default=0)
@@ -320,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--subsets", type=Path, default=REPO / "shards" / "bench", help="label subsets written here")
     p.add_argument("--finetune-scale", type=float, default=1.0, help="multiply the fine-tuning arms' steps")
     p.add_argument("--no-finetune", action="store_true", help="measure the pretraining points only")
+    p.add_argument("--pretrain-only", action="store_true", help="pretrain and export; measure nothing yet")
     p.add_argument("--finetune-arms", default=",".join(FINETUNE), help="of %(default)s")
     args = p.parse_args(argv)
     args.argv = argv
@@ -331,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     objectives = [o for o in args.objectives.split(",") if o]
     cpu = {o: pretrain(o, args.root, args) for o in objectives}
     exports = [e for o in objectives for e in export_points(o, args.root, sorted(cpu[o]))]
+    if args.pretrain_only:
+        return 0
     found = curves(cpu, evaluate(exports, args.root, args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     picture = plot(found, args.out.with_suffix(".png"))

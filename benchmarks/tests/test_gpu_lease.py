@@ -4,7 +4,6 @@ every arm, an arm past its time killed with its process group, arms beyond the b
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
@@ -47,16 +46,17 @@ def test_step_and_trace_arms_run_on_the_cpu_and_leave_their_table(tmp_path, monk
     assert [o["status"] for o in saved] == ["done", "done"] and saved[0]["arm"]["overrides"] == list(QUICK)
 
 
-def test_a_data2vec2_step_arm_runs_on_the_cpu_with_its_masks_and_teacher(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("name", "recipe"), [("d2v", "quickstart_data2vec2"), ("ijepa", "quickstart_ijepa")])
+def test_a_teacher_objectives_step_arm_runs_on_the_cpu_with_its_masks_and_teacher(name, recipe, tmp_path, monkeypatch):
     monkeypatch.setenv("MIMPIPE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(gpu_lease, "TIMED_STEPS", 3)
-    arm = Arm("d2v", "quickstart data2vec 2.0 eager, ZeRO-0", "step", recipe="quickstart_data2vec2", batch=4)
+    arm = Arm(name, f"quickstart {name} eager, ZeRO-0", "step", recipe=recipe, batch=4, overrides=QUICK)
     lease = Lease(tmp_path / "out", budget_s=600, device="cpu", scratch=tmp_path / "scratch", threads=1)
-    (step,) = lease.run((dataclasses.replace(arm, overrides=QUICK),))
+    (step,) = lease.run((arm,))
     assert step.status == "done", step.note
     assert step.values["images_per_sec"] > 0 and 0 < step.values["mfu"] < 1 and math.isfinite(step.values["last_loss"])
     published = {arm.recipe for arm in ARMS}
-    assert {"data2vec2_vitb", "data2vec2_vitl"} <= published
+    assert {"data2vec2_vitb", "data2vec2_vitl", "ijepa_vith14"} <= published
 
 
 def test_an_arm_past_its_time_is_killed_with_its_children_and_the_rest_wait_for_budget(tmp_path, monkeypatch):
