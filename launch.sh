@@ -195,5 +195,6 @@ if [[ $dry_run -eq 1 ]]; then
     exit 0
 fi
 # exec: no shell is left to die of a Ctrl-C, or to wait, between the terminal and what takes it (torchrun's agent, or
-# the one rank; docs/processes.md#ctrl-c), and launch.sh's exit code is theirs (130 after a Ctrl-C).
+# the one rank; docs/processes.md#ctrl-c), and launch.sh's exit code is theirs (130 after a Ctrl-C, 2 when the ranks
+# refused the launch before training, as the pre-flight above does; core/launch/torchrun.py).
 exec "${cmd[@]}"

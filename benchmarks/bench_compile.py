@@ -33,11 +33,12 @@ def build(stage: str):
     """(objective, batch function) of the recipe, as the stage builds it (no weights loaded: speed only)."""
     import torch
 
+    from benchmarks.workers import quickstart_vit
     from core.models.build import build_model
     from core.recipe.config import load_config
     from pretrain.objectives import objective_builder
 
-    cfg = load_config(RECIPES[stage][0], ["model.init=null"] if stage == "finetune" else [])
+    cfg = load_config(RECIPES[stage][0], ["model.init=null", *quickstart_vit()] if stage == "finetune" else [])
     batch, size = cfg.data.global_batch_size, cfg.model.img_size
     if stage == "finetune":
         from finetune.classification import Classification

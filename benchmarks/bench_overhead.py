@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.workers import extract_tree, machine_lines, run_worker, worker_env
+from benchmarks.workers import extract_tree, machine_lines, quickstart_vit, run_worker, worker_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,6 +74,7 @@ def build_config(spec: dict):
         "logging.tensorboard=false",
         f"checkpoint.every_steps={NEVER}",
         "model.init=null",
+        *quickstart_vit(),  # quickstart_finetune.yaml takes it from the export; MAE's recipe states it (the same)
     ]
     return load_config(REPO / RECIPES[spec["objective"]], overrides)
 

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.workers import machine_lines
+from benchmarks.workers import machine_lines, quickstart_vit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,10 +63,11 @@ class Row:
     """SimMIM recipe stem and overrides; empty: from scratch."""
 
 
+SCRATCH_VIT = quickstart_vit()  # quickstart_finetune.yaml reads it from the export it starts from
 HYBRID = "hybrid: ResNet stem + ViT (128 wide, 4 blocks, 32 px)"
 T2T = "T2T-ViT_t (128 wide, 6 blocks, 64 px)"
 ROWS: tuple[Row, ...] = (
-    Row("vit", "ViT (128 wide, 4 blocks, patch 4, 28 px)", ("quickstart_finetune", "model.init=null")),
+    Row("vit", "ViT (128 wide, 4 blocks, patch 4, 28 px)", ("quickstart_finetune", "model.init=null", *SCRATCH_VIT)),
     Row("hybrid", HYBRID, ("quickstart_hybrid",)),
     Row("t2t", T2T, ("quickstart_t2t",)),
     Row("vt", "VT-ResNet-18 (16 tokens 256 wide, 32 px)", ("quickstart_vt",)),

@@ -16,8 +16,17 @@ from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 _LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+
+
+def quickstart_vit() -> list[str]:
+    """recipes/quickstart.yaml's ViT as `model.*` overrides. The fine-tuning recipes that start from its export take
+    the architecture from the export (`model.init`), so a run of them from scratch (`model.init=null`) names it."""
+    model = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())["model"]
+    return [f"model.{key}={value}" for key, value in model.items()]
 
 
 def worker_env(threads: int, **extra: str) -> dict[str, str]:

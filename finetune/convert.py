@@ -23,7 +23,6 @@ rebuilt for any size) and pooling (class token).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -33,11 +32,12 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import VisionTransformer
 from torch import nn
 
+from core.export.architecture import infer_hybrid_backbone, infer_vit_args, suggested_heads
 from core.export.folder import export_model
 from core.export.handoff import LoadReport, load_encoder
 from core.export.hub import is_hub_spec
 from core.export.push import check_push, push_export
-from core.export.read import Checkpoint, has_module, read_checkpoint
+from core.export.read import Checkpoint, read_checkpoint
 from core.models.build import model_args
 from core.models.t2t_vit import VARIANTS as T2T_VARIANTS
 from core.models.vt import VARIANTS as VT_VARIANTS
@@ -143,37 +143,6 @@ def convert(
     return report
 
 
-def infer_vit_args(state: dict[str, torch.Tensor]) -> dict:
-    """timm VisionTransformer arguments read from a state dict (all but num_heads, which weights do not show).
-
-    Raises:
-        ValueError: A position grid that is not square (its image size cannot be told from the weights).
-    """
-    embed_dim, in_chans, ph, pw = state["patch_embed.proj.weight"].shape  # (D, C, ph, pw)
-    num_reg = state["reg_token"].shape[1] if "reg_token" in state else 0
-    num_prefix = int("cls_token" in state) + int("dist_token" in state) + num_reg
-    num_patches = state["pos_embed"].shape[1] - num_prefix  # pos_embed: (1, P + N, D)
-    side = math.isqrt(num_patches)
-    if side * side != num_patches:
-        raise ValueError(f"pos_embed holds {num_patches} grid positions, not a square grid: cannot infer img_size")
-    args = dict(
-        img_size=(side * ph, side * pw),
-        patch_size=(ph, pw),
-        in_chans=in_chans,
-        embed_dim=embed_dim,
-        depth=1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks.")),
-        mlp_ratio=state["blocks.0.mlp.fc1.weight"].shape[0] / embed_dim,
-        qkv_bias="blocks.0.attn.qkv.bias" in state,
-        qk_norm="blocks.0.attn.q_norm.weight" in state,
-        init_values=1.0 if "blocks.0.ls1.gamma" in state else None,  # LayerScale; its values are loaded
-        class_token="cls_token" in state,
-        reg_tokens=num_reg,
-        num_classes=state["head.weight"].shape[0] if "head.weight" in state else 0,
-        global_pool="avg" if has_module(state, "fc_norm") and not has_module(state, "norm") else "token",
-    )
-    return args
-
-
 def build_from_checkpoint(ckpt: Checkpoint, arch: str | None, num_heads: int | None) -> nn.Module:
     """Our export from its config.json; a T2T-ViT or VT-ResNet as the variant its weights match; any other
     checkpoint as a timm ViT with the structure read from its weights and the heads from `num_heads`, `arch` or the
@@ -224,39 +193,12 @@ def _default_arch(ckpt: Checkpoint, width: int, *, distilled: bool, num_heads: i
         raise ValueError(
             f"{ckpt.source} is a {ckpt.format} checkpoint of width {width}, not one of timm's standard widths "
             f"({widths}), so its number of attention heads is unknown: pass --num-heads N, a divisor of {width} "
-            f"(e.g. --num-heads {_suggested_heads(width)}, heads of about 64 channels as in timm's ViTs)"
+            f"(e.g. --num-heads {suggested_heads(width)}, heads of about 64 channels as in timm's ViTs)"
         )
     arch, heads = standard or (PLAIN_DEFAULT, num_heads)
     if distilled:
         arch = DISTILLED_ARCHS.get(width, DISTILLED_DEFAULT)
     return arch, num_heads or heads
-
-
-def _suggested_heads(width: int) -> int:
-    """The divisor of `width` whose head size is closest to 64."""
-    return min((d for d in range(1, width + 1) if width % d == 0), key=lambda d: abs(width / d - 64))
-
-
-def infer_hybrid_backbone(state: dict[str, torch.Tensor]) -> tuple[str, int] | None:
-    """(`model.hybrid_backbone`, image channels) of a hybrid ViT's weights, told by its ResNetV2's stages; None for
-    a plain ViT.
-
-    Raises:
-        ValueError: ResNetV2 stages of none of `core.recipe.geometry.HYBRID_ARCHITECTURES`.
-    """
-    prefix = "patch_embed.backbone."
-    if "patch_embed.backbone.conv.weight" in state:  # the stem alone: (64, C, 7, 7)
-        return "resnet_stem", state["patch_embed.backbone.conv.weight"].shape[1]
-    if f"{prefix}stem.conv.weight" not in state:
-        return None
-    stages = sorted({int(k.split(".")[3]) for k in state if k.startswith(f"{prefix}stages.")})
-    blocks = tuple(len({k.split(".")[5] for k in state if k.startswith(f"{prefix}stages.{i}.blocks.")}) for i in stages)
-    backbone = {(2, 2, 2, 2): "r26", (3, 4, 9): "r50"}.get(blocks)
-    if backbone is None:
-        raise ValueError(
-            f"hybrid ViT weights whose ResNetV2 has {blocks} blocks per stage: not r26 (2, 2, 2, 2) or r50 (3, 4, 9)"
-        )
-    return backbone, state[f"{prefix}stem.conv.weight"].shape[1]
 
 
 def infer_t2t_args(state: dict[str, torch.Tensor], num_heads: int | None) -> tuple[str, dict]:

@@ -38,6 +38,7 @@ from data.device import batch_to_device
 from data.pipeline import make_eval_loader
 from data.specs import dataset_classes, resolve_shards
 from data.transforms import eval_transform
+from finetune.handoff import resolve_init
 
 WEIGHT_DECAYS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
 """The L2 penalties tried (on the mean cross-entropy, weights only): from almost none to strong."""
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # The encoder as fine-tuning would start from it; token pooling keeps the final norm on every token.
     cfg = load_config(args.recipe, [*args.overrides, "model.global_pool=token"])
+    resolve_init(cfg)  # model.init's architecture and normalisation where the recipe leaves them out
     resolve_precision(cfg, torch.device("cpu"))  # the features are extracted on the CPU
     torch.manual_seed(cfg.seed)  # the random init of a probe without model.init
     classes = dataset_classes(cfg.data.train)

@@ -2,9 +2,12 @@
 format is detected and it fits the recipe's model; `distill.teacher` opens; the number of classes is known and every
 split's labels are below it, or, for segmentation, every split is a segmentation set with the same classes.
 
-`model.init` is fitted as `load_encoder` would (`core.export.handoff.fit_problems`) without reading weights: a
-safetensors file's header gives the shapes, and the recipe's model is built on the meta device, so even a ViT-H
-costs no memory. A pickle has no header and is loaded (memory-mapped when torch saved it as a zip).
+`model.init` first completes the recipe as the stage's start will (finetune/handoff.py `resolve_init`: the
+architecture keys and normalisation the recipe leaves out are the checkpoint's, core/export/architecture.py; a key it
+contradicts is one line naming the key and both values; the plan says which keys came from the checkpoint). It is then
+fitted as `load_encoder` would (`core.export.handoff.fit_problems`) without reading weights: a safetensors file's
+header gives the shapes, and the recipe's model is built on the meta device, so even a ViT-H costs no memory. A pickle
+has no header and is loaded (memory-mapped when torch saved it as a zip).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import os
 
 import torch
 
-from core.export.handoff import PATCH_KERNEL, fit_problems, resolve_global_pool
+from core.export.architecture import InitMismatch, resolve_architecture
+from core.export.handoff import PATCH_KERNEL, fit_problems
 from core.export.read import read_checkpoint
 from core.launch.preflight import Findings, describe_spec, shard_specs
 from core.models.build import build_model
@@ -23,6 +27,7 @@ from data.decode import image_field, read_label
 from data.index import shard_samples
 from data.segmentation import IGNORE_INDEX, SEG_FIELD
 from data.specs import dataset_classes, resolve_shards, segmentation_info, split_index
+from finetune.handoff import resolve_init
 from finetune.teacher import teacher_is_folder
 
 LABEL_SAMPLES = 64
@@ -45,24 +50,32 @@ def check(cfg: Config, findings: Findings, world_size: int) -> None:
 
 
 def resolve(cfg: Config) -> None:
-    """Complete `cfg` as the entry point does before it compares it with a checkpoint's (`model.global_pool: auto`
-    from `model.init`'s hint).
+    """Complete `cfg` as the entry point does before it compares it with a checkpoint's (finetune/handoff.py
+    `resolve_init`: `model.init`'s architecture and normalisation where the recipe leaves them out, `model.global_pool:
+    auto` from its hint).
 
     Raises:
-        ValueError: `model.init` cannot be read (`check_init` reports it).
+        ValueError: `model.init` cannot be read or contradicts the recipe (`check_init` reports it).
     """
-    resolve_global_pool(cfg)
+    resolve_init(cfg)
 
 
 def check_init(cfg: Config, findings: Findings) -> None:
-    """`model.init` opens (a pickle that needs trust is refused), and every encoder tensor fits the recipe's model
-    (width, depth, patch kernel, LayerScale), up to what the hand-off resizes (patch grid, patch size)."""
+    """`model.init` opens (a pickle that needs trust is refused), completes the recipe (in `cfg`, as the stage's start
+    will; a recipe key it contradicts is refused), and every encoder tensor fits the completed recipe's model (width,
+    depth, patch kernel, LayerScale), up to what the hand-off resizes (patch grid, patch size)."""
     init = cfg.model.init
     try:
         ckpt = read_checkpoint(init, trust=cfg.model.trust_checkpoint, shapes_only=True)
     except ValueError as err:  # missing, unreadable, untrusted pickle, not a ViT: the message names the file
         findings.fail("model.init", str(err), file=init)
         return
+    try:
+        found = resolve_architecture(cfg, ckpt)
+    except InitMismatch as err:  # one line naming the key and both values
+        findings.fail(err.key, err.detail)
+        return
+    findings.note(found.line())
     with torch.device("meta"):
         model = build_model(cfg, plain=True)  # pooling "auto" builds the cls-token layout; norm / fc_norm are mapped
     problems = fit_problems(model, ckpt)

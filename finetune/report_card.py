@@ -4,6 +4,7 @@ the code the pipeline already has, on the same images in the same order, so that
     python -m finetune evaluate CHECKPOINT [CHECKPOINT ...] --train SHARDS --val SHARDS --out DIR
         [--suite knn,linear,fewshot,rank] [--max-train N] [--max-val N] [--seg-train SHARDS --seg-val SHARDS]
         [--img-size N] [--mean M M M] [--std S S S] [--crop-pct F] [--pooling cls|mean] [--arch NAME] [--num-heads N]
+        [--card]
     torchrun --nproc_per_node 8 -m finetune evaluate ...     (each rank embeds its shards; rank 0 measures, writes)
 
 A CHECKPOINT is anything the hand-off accepts, or a run_dir (finetune/report_encoders.py says how each is read and
@@ -29,6 +30,9 @@ any number of ranks. Measures (`--suite`):
 Writes DIR/report.json (every number, each row's settings and where they came from, the protocol), DIR/report.md (one
 row per checkpoint, one column per measure, the protocol under the table) and DIR/tb/<row>/ (the same numbers as
 TensorBoard scalars under the pretraining monitors' tags: knn/top1, fewshot/top1_10shot, features/effective_rank).
+With --card, each checkpoint that is an export folder of ours (or a run_dir's export) gets its row, the protocol and
+its settings as its README.md model card's Evaluation section (finetune/report_files.py `write_card_sections`); one
+line says so for each checkpoint, or why it was left alone.
 
 Shapes: N training images, M validation images, D feature width.
 """
@@ -58,8 +62,8 @@ from data.progress import Progress
 from data.specs import dataset_classes, dataset_size, resolve_shards, split_index
 from data.transforms import eval_transform
 from finetune.lbfgs_probe import POOLINGS, extract_features, probe
-from finetune.report_encoders import Encoder, EncoderFlags, resolve_encoder
-from finetune.report_files import write_report
+from finetune.report_encoders import Encoder, EncoderFlags, resolve_encoders
+from finetune.report_files import write_card_sections, write_report
 from finetune.seg_probe import SegSchedule, seg_probe
 
 SUITE = ("knn", "linear", "fewshot", "rank", "seg")
@@ -125,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     if report is not None:
         table = write_report(Path(args.out), report)
         print(f"{table}\n[mimpipe] wrote {args.out}/report.md, report.json and tb/")
+        if args.card:
+            lines, failed = write_card_sections(report)
+            print("\n".join(lines))
+            return 1 if failed else 0
     return 0
 
 
@@ -138,10 +146,8 @@ def evaluate(
     """
     with tempfile.TemporaryDirectory(prefix="mimpipe-evaluate-") as scratch:
         shards_size = split_index(protocol.train)[1].get("image_size")
-        encoders = [
-            resolve_encoder(spec, flags, scratch=Path(scratch), dist=dist, shards_img_size=shards_size)
-            for spec in specs
-        ]  # every checkpoint checked before any image is embedded
+        # every checkpoint checked before any image is embedded, the architecture flags across them
+        encoders = resolve_encoders(specs, flags, scratch=Path(scratch), dist=dist, shards_img_size=shards_size)
         embedded = [_embed(encoder, protocol, dist, num_workers) for encoder in encoders]
     if not dist.is_main:
         return None
@@ -308,6 +314,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--label-field", help="integer field of each sample's .json holding the label (default .cls)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"), help="auto: bf16 where native")
+    parser.add_argument(
+        "--card", action="store_true", help="write each export's numbers into its README.md model card (Evaluation)"
+    )
     encoder = parser.add_argument_group("encoders (default: each checkpoint's manifest, config.json or weights)")
     encoder.add_argument("--img-size", type=int, help="image side (position embeddings resized to it)")
     encoder.add_argument("--mean", type=float, nargs=3, help="normalisation mean (3 values)")

@@ -8,15 +8,22 @@ rebuilds it at the evaluation's image size, and how its images are shown, with w
     any other file   official MAE / DeiT, timm state dicts, hybrid, T2T-ViT, VT-ResNet: the structure read from the
                      weights as `finetune convert` reads it (--num-heads for a width that is not timm's, --arch)
 
+The architecture flags (--arch, --num-heads) follow the rule of `model.init` in a recipe (core/export/architecture.py):
+each applies only to a checkpoint that does not fix that value itself (a weights file; an export folder's config.json
+fixes its architecture and heads). A checkpoint whose own config says otherwise keeps it (one line says so); a flag
+that no checkpoint of the call takes and one contradicts is refused, naming both values.
+
 Settings, each from the first source that has it:
 
-    image size   --img-size; the checkpoint's own (config.json's model_args, or its position grid x patch); the
-                 training shards' (index.json)
+    image size   --img-size (every checkpoint: what the evaluation changes, position embeddings resized, as a
+                 recipe's model.img_size); the checkpoint's own (config.json's model_args, or its position grid x
+                 patch); the training shards' (index.json)
     mean, std    --mean / --std; config.json's pretrained_cfg; ImageNet's for official MAE and DeiT files (as
                  `finetune convert` writes them); timm's default for the architecture
     crop_pct     --crop-pct; config.json's pretrained_cfg; timm's default for the architecture
     pooling      --pooling (cls | mean); the checkpoint's hint (mimpipe.json's pooling_hint, or fc_norm without a
                  final norm: mean); cls, or mean for an encoder without a class token (VT-ResNet)
+    num_heads    config.json; --num-heads; --arch's; timm's standard for the width (a ViT's weights do not show it)
 
 The encoder is rebuilt without a classifier and with `global_pool: token` (timm's "" without a class token): its
 final norm applied to every token, the features of finetune/lbfgs_probe.py. Its weights are loaded by the hand-off
@@ -106,6 +113,41 @@ class Encoder:
         return out
 
 
+ARCH_FLAGS = {"arch": "--arch", "num_heads": "--num-heads"}
+"""The flags that say what a checkpoint's architecture is: each only for a checkpoint that does not fix it itself."""
+
+
+@dataclass(frozen=True)
+class FlagUse:
+    """What one checkpoint made of the architecture flags."""
+
+    taken: frozenset[str]
+    """`ARCH_FLAGS` keys applied to it (a weights file)."""
+    contradicted: dict[str, str]
+    """Key -> the line naming the flag's value and the checkpoint's own (its config.json says otherwise)."""
+
+
+def resolve_encoders(
+    specs: list[str], flags: EncoderFlags, *, scratch: Path, dist: DistInfo, shards_img_size: int | None = None
+) -> list[Encoder]:
+    """Every checkpoint of `specs` resolved (`resolve_encoder`), before any image is embedded. An architecture flag
+    applies to the checkpoints that do not fix that value; one whose config.json says otherwise keeps its own (rank 0
+    says so in one line); a flag that no checkpoint takes and one contradicts is refused.
+
+    Raises:
+        ValueError: As `resolve_encoder`; a flag only contradicted (naming its value, the checkpoint and its value).
+    """
+    resolved = [_resolve(spec, flags, scratch=scratch, dist=dist, shards_img_size=shards_img_size) for spec in specs]
+    for key, flag in ARCH_FLAGS.items():
+        refusals = [use.contradicted[key] for _, use in resolved if key in use.contradicted]
+        if refusals and not any(key in use.taken for _, use in resolved):
+            raise ValueError(f"{refusals[0]}; {flag} applies only to a weights file, which does not fix it")
+    for encoder, use in resolved:
+        for line in use.contradicted.values() if dist.is_main else ():
+            print(f"[mimpipe] evaluate {encoder.name}: {line}: the checkpoint's kept (the flag is for weights files)")
+    return [encoder for encoder, _ in resolved]
+
+
 def resolve_encoder(
     spec: str, flags: EncoderFlags, *, scratch: Path, dist: DistInfo, shards_img_size: int | None = None
 ) -> Encoder:
@@ -120,14 +162,30 @@ def resolve_encoder(
 
     Raises:
         ValueError: Naming the checkpoint: unreadable, of another width than `--arch`, not loadable at the size,
-            no image size anywhere, a class-token pooling for an encoder without one.
+            no image size anywhere, a class-token pooling for an encoder without one, an architecture flag its own
+            config.json contradicts.
     """
+    return resolve_encoders([spec], flags, scratch=scratch, dist=dist, shards_img_size=shards_img_size)[0]
+
+
+def _resolve(
+    spec: str, flags: EncoderFlags, *, scratch: Path, dist: DistInfo, shards_img_size: int | None
+) -> tuple[Encoder, FlagUse]:
+    """One checkpoint resolved, and what it made of the architecture flags."""
     path = _weights_path(Path(spec), scratch, dist)
     ckpt = read_checkpoint(path, trust=flags.trust_checkpoint, shapes_only=True)
+    own = _fixes_architecture(ckpt)
     with torch.device("meta"):  # shapes only: nothing allocated
-        reference = build_from_checkpoint(ckpt, flags.arch, flags.num_heads)
+        if own:  # config.json's architecture and model_args, whatever the flags say
+            reference = timm.create_model(f"local-dir:{ckpt.source.parent}", pretrained=False)
+        else:
+            reference = build_from_checkpoint(ckpt, flags.arch, flags.num_heads)
+    use = _flag_use(spec, flags, reference) if own else FlagUse(_given(flags), {})
     args = model_args(reference)
     sources = {}
+    heads = _num_heads(reference)
+    if heads is not None:
+        sources["num_heads"] = _heads_source(ckpt, flags, reference, own)
     img_size, sources["img_size"] = _first(
         ("--img-size", flags.img_size), ("checkpoint", args.get("img_size")), ("training shards", shards_img_size)
     )
@@ -156,12 +214,76 @@ def resolve_encoder(
     )
     if pooling == "cls" and not has_cls:
         raise ValueError(f"{spec}: --pooling cls, but its {architecture} has no class token (use --pooling mean)")
-    return Encoder(
+    encoder = Encoder(
         name=spec, path=path, checkpoint_format=ckpt.format, architecture=architecture, model_args=args,
         img_size=img_size, mean=tuple(mean), std=tuple(std), crop_pct=float(crop_pct), pooling=pooling,
         has_class_token=has_cls, trust_checkpoint=flags.trust_checkpoint, step=ckpt.manifest.get("step"),
         sources=sources,
     )  # fmt: skip
+    return encoder, use
+
+
+def _fixes_architecture(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint's own config.json (an export folder's) fixes its architecture: timm's `architecture` and
+    `model_args`, which `timm.create_model("local-dir:...")` builds."""
+    return bool(ckpt.config.get("architecture")) and isinstance(ckpt.config.get("model_args"), dict)
+
+
+def _given(flags: EncoderFlags) -> frozenset[str]:
+    return frozenset(key for key in ARCH_FLAGS if getattr(flags, key) is not None)
+
+
+def _flag_use(spec: str, flags: EncoderFlags, reference: nn.Module) -> FlagUse:
+    """The architecture flags against a checkpoint that fixes its own (`reference`, built from its config.json): none
+    applies; each that says otherwise, with the line naming both values."""
+    contradicted = {}
+    heads = _num_heads(reference)
+    if flags.num_heads is not None and flags.num_heads != heads:
+        contradicted["num_heads"] = f"--num-heads {flags.num_heads}: {spec} has num_heads {heads} (config.json)"
+    if flags.arch is not None:
+        if not timm.is_model(flags.arch):
+            contradicted["arch"] = f"--arch {flags.arch}: not a timm architecture ({spec} has its config.json)"
+        else:
+            with torch.device("meta"):
+                named = timm.create_model(flags.arch, pretrained=False)
+            differs = next((key for key in _SHAPE if _shape(named, key) != _shape(reference, key)), None)
+            if differs is not None:
+                theirs, ours = _shape(named, differs), _shape(reference, differs)
+                contradicted["arch"] = f"--arch {flags.arch} has {differs} {theirs}, {spec} has {ours} (config.json)"
+    return FlagUse(frozenset(), contradicted)
+
+
+_SHAPE = ("type", "embed_dim", "depth", "num_heads")
+
+
+def _shape(model: nn.Module, key: str) -> object:
+    """One structural fact of a model: its class, width, depth or heads (None where it has none)."""
+    if key == "type":
+        return type(model).__name__
+    if key == "num_heads":
+        return _num_heads(model)
+    blocks = getattr(model, "blocks", None)
+    return len(blocks) if key == "depth" and blocks is not None else getattr(model, key, None)
+
+
+def _num_heads(model: nn.Module) -> int | None:
+    """A transformer's attention heads per block (None without blocks of attention: VT-ResNet, ResNet)."""
+    blocks = getattr(model, "blocks", None)
+    attn = getattr(blocks[0], "attn", None) if blocks is not None and len(blocks) else None
+    return getattr(attn, "num_heads", None)
+
+
+def _heads_source(ckpt: Checkpoint, flags: EncoderFlags, reference: nn.Module, own: bool) -> str:
+    """Where a checkpoint's number of heads came from (report.json's sources)."""
+    if own:
+        return "config.json"
+    if flags.num_heads is not None:
+        return "--num-heads"
+    if flags.arch is not None:
+        return f"--arch {flags.arch}"
+    if "tokens_to_token.project.weight" in ckpt.state:
+        return "the T2T-ViT variant's"
+    return f"timm's standard for width {getattr(reference, 'embed_dim', '?')}"
 
 
 def _data_setting(key: str, flag, ckpt: Checkpoint, reference: nn.Module, imagenet) -> tuple[object, str]:

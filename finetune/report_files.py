@@ -2,7 +2,8 @@
 table, one row per checkpoint and one column per measure, then the protocol and each row's settings) and one
 TensorBoard run per checkpoint under tb/, its numbers under the pretraining monitors' tags (knn/top1,
 fewshot/top1_10shot, features/effective_rank; linear/top1_cls, linear/top1_mean, seg/miou) at the step its weights
-are from.
+are from. With `--card`, each row measured on an export folder of ours also becomes that export's model card
+Evaluation section (`write_card_sections`); other checkpoints have no card to write into and are left alone.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import json
 import re
 from pathlib import Path
 
+from core.export.card import update_card_evaluation
+from core.export.manifest import MANIFEST_NAME
+from core.export.read import read_json
 from core.report.fewshot import DRAWS
 from finetune.evaluate import markdown_table
 from finetune.lbfgs_probe import WEIGHT_DECAYS
@@ -57,8 +61,9 @@ def markdown_report(report: dict) -> str:
     return "\n".join([*lines, *markdown_table(settings)])
 
 
-def protocol_lines(report: dict) -> list[str]:
-    """The protocol, one bullet per part, as report.md writes it under the table."""
+def protocol_lines(report: dict, settings: str = "Settings") -> list[str]:
+    """The protocol, one bullet per part, as report.md writes it under the table (`settings`: where the rows' image
+    sizes and crops are listed)."""
     p = report["protocol"]
     suite = p["suite"]
     first = "the first {} of the shards, spread over them"
@@ -70,7 +75,7 @@ def protocol_lines(report: dict) -> list[str]:
         f"- images: train `{p['train']}` ({report['train_samples']}: {train}), val `{p['val']}` "
         f"({report['val_samples']}: {val}), {report['num_classes']} classes; ordered by sample key",
         f"- features: frozen encoder in eval mode, {p['precision']}, after the final norm: the class token (cls) and "
-        "the mean of the patch tokens (mean); images resized to img/crop_pct and centre-cropped to img (Settings)",
+        f"the mean of the patch tokens (mean); images resized to img/crop_pct and centre-cropped to img ({settings})",
     ]
     if "knn" in suite:
         lines.append(
@@ -105,6 +110,50 @@ def protocol_lines(report: dict) -> list[str]:
             f"mIoU on `{p['seg_val']}` (finetune/seg_probe.py)"
         )
     return lines
+
+
+def card_section(report: dict, row: dict) -> str:
+    """One row of the report as its export's card section: every number of the row (report.md's precision), the
+    protocol, and how this encoder was shown its images."""
+    values = [f"| {tag} | {value:,} |" if isinstance(value, int) else f"| {tag} | {_cell(tag, value)} |"
+              for tag, value in row["metrics"].items()]  # fmt: skip
+    s = row["settings"]
+    shown = (
+        f"- this encoder: {'x'.join(map(str, s['img_size']))} px, crop {s['crop_pct']:g}, {s['pooling']} pooling, "
+        f"mean / std {_floats(s['mean'])} / {_floats(s['std'])}"
+    )
+    protocol = protocol_lines(report, settings="this encoder, below")
+    return "\n".join(["| measure | value |", "|---|---|", *values, "", *protocol, shown])
+
+
+def write_card_sections(report: dict) -> tuple[list[str], int]:
+    """Each row's numbers written into its export's README.md as the Evaluation section (replaced whole, the file
+    renamed into place); a row whose checkpoint is not an export folder of ours here, or whose export was replaced
+    since it was measured, is left alone. Returns one line per row saying which, and how many writes failed."""
+    lines, failed = [], 0
+    for row in report["rows"]:
+        s, name = row["settings"], row["checkpoint"]
+        path = Path(s["path"])
+        now = read_json(path / MANIFEST_NAME).get("step") if (path / MANIFEST_NAME).is_file() else None
+        if s["checkpoint_format"] != "mimpipe-export":
+            reason = f"a {s['checkpoint_format']} checkpoint, not an export folder of ours (no card)"
+        elif name.startswith("hf-hub:"):
+            reason = "a Hub repo: update the card of the export it was pushed from, then push again"
+        elif not (path / MANIFEST_NAME).is_file() or not (path / "config.json").is_file():
+            reason = f"measured from a temporary export ({path}) of its latest checkpoint: export the run first"
+        elif now != s["step"]:
+            reason = f"{path} was replaced since it was measured (step {s['step']}, now {now}): evaluate it again"
+        else:
+            try:
+                card = update_card_evaluation(path, card_section(report, row))
+            except (OSError, ValueError) as e:
+                lines.append(f"[mimpipe] card: could not write the Evaluation section of {name}: {e}")
+                failed += 1
+            else:
+                lines.append(f"[mimpipe] card: wrote the Evaluation section of {card}")
+            continue
+        lines.append(f"[mimpipe] card: left {name} alone: {reason}")
+    return lines, failed
 
 
 def _name(row: dict) -> str:

@@ -14,7 +14,6 @@ from core.engine.inspection_hook import inspection_hook
 from core.engine.loop import LoopHooks
 from core.engine.run import run_loop, seed_everything, start_engine, start_stage
 from core.engine.stream import train_stream
-from core.export.handoff import resolve_global_pool
 from core.models.build import build_model
 from data.mixing import build_mix, mixed
 from data.specs import dataset_classes
@@ -22,7 +21,7 @@ from data.transforms import eval_transform, finetune_train_transform
 from finetune.best import BestExport, finish_with_export
 from finetune.classification import Classification
 from finetune.distillation import Distillation, to_distilled
-from finetune.handoff import hand_off
+from finetune.handoff import hand_off, resolve_init
 from finetune.probe_ema import WeightEMA, make_linear_probe
 from finetune.segment import main_segmentation
 from finetune.teacher import load_teacher
@@ -47,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return evaluate_main(argv[1:])
 
-    # Config (pooling from the checkpoint's hint unless the recipe says), distributed init, run dir, resume point
-    run = start_stage("python -m finetune", argv, resolve=resolve_global_pool)
+    # Config (model.init's architecture, normalisation and pooling where the recipe leaves them out), distributed init,
+    # run dir, resume point
+    run = start_stage("python -m finetune", argv, resolve=resolve_init)
     cfg = run.cfg
     if cfg.objective.kind == "segmentation":
         return main_segmentation(run)

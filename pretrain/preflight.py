@@ -1,8 +1,9 @@
 """Pretraining's launch-time checks (run by core/launch/preflight.py before any process starts): a BEiT-style tokenizer
 target loads and its code grid is the encoder's patch grid (a tokenizer export is small, a VQ-VAE of a few MB, so it
 is loaded in full, exactly as the ranks will); a warm start's `model.init: hf-hub:ORG/NAME` is in the Hub cache (or,
-online, downloaded into it now, once, for the ranks to read); the kNN monitor's bank and queries have images and
-labels, and a shard for every rank."""
+online, downloaded into it now, once, for the ranks to read), and a warm start's `model.init` completes the recipe as
+the stage's start will (core/export/architecture.py: a key it contradicts is one line); the kNN monitor's bank and
+queries have images and labels, and a shard for every rank."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ def check(cfg: Config, findings: Findings, world_size: int) -> None:
     """The tokenizer target, and the kNN monitor's sets: images with labels, a shard for each of `world_size` ranks."""
     check_tokenizer(cfg, findings)
     check_hub_init(cfg, findings)
+    check_warm_start(cfg, findings)
     knn = cfg.eval.knn
     if not knn.enabled:
         return
@@ -28,8 +30,30 @@ def check(cfg: Config, findings: Findings, world_size: int) -> None:
 
 
 def resolve(cfg: Config) -> None:
-    """Complete `cfg` as the entry point does before it compares it with a checkpoint's: pretraining leaves nothing
-    to the run."""
+    """Complete `cfg` as the entry point does before it compares it with a checkpoint's: a warm start's architecture
+    from `model.init` where the recipe leaves it out."""
+    if cfg.model.init:
+        from core.export.architecture import resolve_architecture  # timm: only for a warm start
+
+        resolve_architecture(cfg)  # what pretrain/warm_start.py `resolve_warm_start` does at the stage's start
+
+
+def check_warm_start(cfg: Config, findings: Findings) -> None:
+    """A warm start's `model.init` opens and completes the recipe (in `cfg`, as the stage's start will); the plan
+    says which keys came from it, and a recipe key it contradicts is one line naming the key and both values."""
+    if not cfg.model.init or any(p.key == "model.init" for p in findings.problems):  # a Hub repo not cached: said
+        return
+    from core.export.architecture import InitMismatch, resolve_architecture  # timm: only for a warm start
+
+    try:
+        found = resolve_architecture(cfg)  # as pretrain/warm_start.py `resolve_warm_start` at the stage's start
+    except InitMismatch as err:
+        findings.fail(err.key, err.detail)
+        return
+    except ValueError as err:  # missing, unreadable, untrusted pickle: the message names the file
+        findings.fail("model.init", str(err), file=cfg.model.init)
+        return
+    findings.note(found.line())
 
 
 def check_hub_init(cfg: Config, findings: Findings) -> None:

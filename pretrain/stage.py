@@ -18,7 +18,7 @@ from pretrain.feature_monitor import monitors
 from pretrain.objectives import objective_builder, train_transform
 from pretrain.pictures import picture_hook
 from pretrain.train_tokenizer import train_tokenizer
-from pretrain.warm_start import warm_starter
+from pretrain.warm_start import resolve_warm_start, warm_starter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,8 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
 
-    # Config, distributed init, run dir, resume point
-    run = start_stage("python -m pretrain", argv)
+    # Config (a warm start's architecture from model.init where the recipe leaves it out), distributed init, run dir,
+    # resume point
+    run = start_stage("python -m pretrain", argv, resolve=resolve_warm_start)
     cfg, dist = run.cfg, run.dist
     if cfg.stage == "tokenizer":
         return train_tokenizer(run)

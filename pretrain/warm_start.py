@@ -1,6 +1,8 @@
 """Warm-started pretraining: `model.init` in a pretraining recipe continues from released or earlier weights.
 
-The encoder is loaded by fine-tuning's hand-off (core/export/handoff.py: our export, an official MAE or DeiT
+The recipe is completed from the checkpoint first, as fine-tuning's is (core/export/architecture.py): the architecture
+keys and normalisation it leaves out are the checkpoint's, and a key it contradicts is refused in one line. The encoder
+is loaded by fine-tuning's hand-off (core/export/handoff.py: our export, an official MAE or DeiT
 checkpoint, a timm state dict; the position embedding resized to the recipe's grid, the patch kernel to its patch
 size), and every other tensor of the objective (MAE's decoder and mask token, a BEiT-style head, SimMIM's mask token
 and head) is taken from the checkpoint when it holds one of that name and shape: the official MAE layout
@@ -24,10 +26,23 @@ import torch
 from torch import nn
 
 from core.engine.zero_init import gathered
+from core.export.architecture import InitArchitecture, init_architecture, resolve_architecture
 from core.export.handoff import load_encoder
 from core.export.read import read_checkpoint
+from core.recipe.config import Config
 
 ENCODER = "encoder."
+
+
+def resolve_warm_start(cfg: Config) -> InitArchitecture | None:
+    """`start_stage`'s `resolve` (pretrain/preflight.py runs the same resolution): the architecture keys and
+    `data.mean/std` the recipe leaves out, from `model.init` (None without one).
+
+    Raises:
+        InitMismatch: A recipe key the checkpoint contradicts (one line naming the key and both values).
+        ValueError: `model.init` cannot be read.
+    """
+    return resolve_architecture(cfg)
 
 
 def warm_starter(run) -> Callable[[nn.Module], dict] | None:
@@ -63,6 +78,7 @@ def _load(objective: nn.Module, run) -> dict:
         objective.load_state_dict(loaded, strict=False)
     fresh = [k for k in own if k not in loaded]
     report.dropped = [k for k in report.dropped if k not in loaded]  # the hand-off's leftovers the objective took
+    report.notes.insert(0, init_architecture(run.cfg).line())  # the keys the start took from the checkpoint
     lines = [
         f"[mimpipe] warm start from {m.init} (optimizer state fresh, warmup applies)",
         report.format(),

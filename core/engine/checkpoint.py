@@ -5,8 +5,8 @@ beside them as YAML.
 
 Write order (`save_checkpoint`): every rank writes and fsyncs its own files (DeepSpeed's shards, its state JSON) ->
 they exchange what they wrote (a barrier) -> rank 0 fsyncs the folder, writes the completeness marker `complete`
-(ckpt_files.py) and replaces `latest` atomically -> old and incomplete tags are pruned. A crash, or a full disk, at
-any point leaves `latest` naming a complete checkpoint.
+(core/launch/ckpt_files.py) and replaces `latest` atomically -> old and incomplete tags are pruned. A crash, or a full
+disk, at any point leaves `latest` naming a complete checkpoint.
 Resume order (see `find_resume`): the run_dir's own `latest`, or the newest complete checkpoint that reads back
 whole when that one is incomplete or damaged, else training starts from scratch (an `init` checkpoint, if any, is
 applied by the stage before this).
@@ -32,7 +32,10 @@ import numpy as np
 import torch
 
 from core.compat import deepspeed as ds_compat
-from core.engine.ckpt_files import (
+from core.engine.distributed import DistInfo, barrier
+from core.engine.failure import PeerLostError
+from core.engine.fp16 import MASTER_NAMES, zero0_master_names
+from core.launch.ckpt_files import (
     COMPLETE,
     LATEST,
     atomic_write,
@@ -45,9 +48,6 @@ from core.engine.ckpt_files import (
     why_damaged,
     write_marker,
 )
-from core.engine.distributed import DistInfo, barrier
-from core.engine.failure import PeerLostError
-from core.engine.fp16 import MASTER_NAMES, zero0_master_names
 
 FREE_SPACE_MARGIN = 1.1
 """A save goes ahead only with this many times the previous checkpoint's size free (the new one is written before

@@ -23,9 +23,9 @@ from collections import deque
 import torch
 
 from core.engine.checkpoint import best_checkpoint
-from core.engine.ckpt_files import step_of
 from core.engine.distributed import all_reduce
 from core.engine.stage import StageRun
+from core.launch.ckpt_files import step_of
 
 WATCHED = ("train/loss", "train/grad_norm")
 

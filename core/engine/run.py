@@ -33,6 +33,7 @@ from core.engine.teacher import has_teacher, saved_teacher_missing, start_teache
 from core.engine.train_state import TrainState
 from core.engine.utilisation import device_peak
 from core.launch.accelerate import setting_conflicts
+from core.launch.ckpt_files import choose_resume
 from core.launch.disk import checkpoint_room
 from core.launch.lease import TAKE_OVER_FLAG, HeldLease, acquire
 from core.launch.rundir import ALLOW_FLAG, Relaunch, keep_launch_config, mark_finished, relaunch
@@ -179,9 +180,9 @@ def check_relaunch(cfg: Config, dist: DistInfo, total_steps: int, *, allow_chang
     rank, so that all of them stop or none. Returns what rank 0 logs about it (the settings a resume changes).
 
     Raises:
-        StageExit: On every rank: code `EXIT_REFUSED` when the latest checkpoint there was written by another config
-            (and no `--allow-config-change`), 0 when the run there already finished this schedule. Rank 0's carries
-            the line to print.
+        StageExit: On every rank: code `EXIT_REFUSED` when the checkpoint the resume would load there was written
+            by another config (and no `--allow-config-change`), 0 when the run there already finished this schedule.
+            Rank 0's carries the line to print.
     """
     told = [relaunch(cfg, total_steps, allow_change=allow_change) if dist.is_main else None]
     if dist.world_size > 1:
@@ -287,22 +288,23 @@ def start_engine(
 
 def refuse_without_teacher(run: StageRun, engine) -> None:
     """A resume of an objective with an EMA teacher from a checkpoint that has none (another objective's run, kept
-    with `--allow-config-change`) stops before anything loads, in one line on every rank.
+    with `--allow-config-change`) stops before anything loads: every rank reads the same checkpoint and stops, rank 0
+    with one line.
 
     Raises:
-        StageExit: Code `EXIT_REFUSED`.
+        StageExit: Code `EXIT_REFUSED`, on every rank; rank 0's carries the line.
     """
     if not has_teacher(engine.module):
         return
     tag_dir = run.run_dir / "checkpoints" / run.resume["tag"]
     missing = saved_teacher_missing(engine, tag_dir)
     if missing:
-        raise StageExit(
-            EXIT_REFUSED,
+        line = (
             f"[mimpipe] refused: checkpoint {tag_dir} has no EMA teacher ({len(missing)} tensors missing, e.g. "
             f"{missing[0]}): it was written by an objective without one; start a new run_dir, or warm-start from "
-            "its export with model.init",
+            "its export with model.init"
         )
+        raise StageExit(EXIT_REFUSED, line if run.dist.is_main else None)
 
 
 def run_loop(run: StageRun, engine, optimizer, batches: Iterator[dict], hooks: LoopHooks | None = None) -> int:
@@ -330,8 +332,8 @@ def finish_stage(run: StageRun) -> None:
     """End a stage whose last step ran and whose export is written: `finished.json` (a relaunch with the same schedule
     then does nothing), the TensorBoard hint, the logger closed, run_dir's lease given back, the process group
     closed."""
-    if run.dist.is_main:
-        mark_finished(run.run_dir, run.state.step, (run.run_dir / "checkpoints" / "latest").read_text().strip())
+    if run.dist.is_main:  # the checkpoint a relaunch judges by (core/launch/rundir.py), `latest`'s unless torn
+        mark_finished(run.run_dir, run.state.step, choose_resume(run.run_dir / "checkpoints")[0])
     run.logger.console(f"[mimpipe] TensorBoard: tensorboard --logdir {run.run_dir / 'tb'}")
     if run.synthetic_data:
         run.logger.console(f"[mimpipe] this run trained on {SYNTHETIC_WARNING}")

@@ -5,7 +5,7 @@ what a relaunch would resume from and why, the export and `finished.json`. `--js
 
 It only reads: nothing is written into the run_dir and nothing waits on a running run. Of a metrics.jsonl being
 appended to, the complete lines count; a checkpoint folder without its completion marker is being written (by a live
-run) or partial. The resume choice is the resume code's own (core/engine/ckpt_files.py `choose_resume`, with its
+run) or partial. The resume choice is the resume code's own (core/launch/ckpt_files.py `choose_resume`, with its
 line when it falls back from `latest`); `--verify` also reads every file of the chosen checkpoint back in full, as a
 resume does before it loads one, passing over a damaged one (core/engine/checkpoint.py `resumable_tag`: torch,
 seconds per GB). The files read: docs/run_dir.md.
@@ -28,9 +28,9 @@ import yaml
 from pydantic import ValidationError
 
 from core.compat.closed_pipe import quiet_on_closed_pipe
-from core.engine.ckpt_files import choose_resume, read_latest, tag_folders, why_incomplete
 from core.entry.status_screen import render
 from core.export.manifest import MANIFEST_NAME
+from core.launch.ckpt_files import choose_resume, read_latest, tag_folders, why_incomplete
 from core.launch.lease import LEASE_FILE, LIVE, Lease, here, judge, read_raw
 from core.launch.rundir import FINISHED, relaunch, saved_step
 from core.recipe.config import Config, ConfigError

@@ -1,21 +1,27 @@
 """The model card of every export: README.md in the Hugging Face Hub's format, written inside the atomic export
 (core/export/folder.py) so it is never half-written, and updated in place only by a whole-file replace.
 
-    ---                                   front matter (YAML): library_name timm, pipeline_tag, tags (the task, the
-    library_name: timm                    method, mimpipe), datasets (Hub ids from the shards' index.json when known),
-    ...                                   base_model (an `hf-hub:` init); `license:` is left for the user to set
+    ---                                   front matter (YAML): license (only when config.json's pretrained_cfg has
+    library_name: timm                    one), library_name, pipeline_tag, tags (the task, the method, mimpipe),
+    ...                                   datasets (Hub ids from the shards' index.json when known), base_model (an
+                                          `hf-hub:` init)
     ---
-    # title, one line of summary
+    # title, one line of summary         the model as built, not timm's name for it (card_names.py)
     ## Use it in timm                    two lines (the export's folder, or its Hub repo once pushed)
     ## Model                             architecture, parameters, classes / segmentation head, preprocessing
-    ## Training                          objective, init, data (shards, samples), steps, global batch
+    ## Training                          objective, init (and the method it was made by), data, steps, global batch
     ## Evaluation                        `mimpipe evaluate`'s table, only once one was run (`update_card_evaluation`)
     ## Monitors                          metrics.jsonl's last values at the exported step
     ## Recipe                            the whole resolved recipe (the run's config.yaml)
-    ## Files, ## License
+    ## Files, ## License                 the license config.json names, or that none is set
 
 Everything is read from what the export holds (config.json, the manifest and its recipe) plus `RunFacts`: what only
-the run's shards and metrics.jsonl know, gathered by `run_facts` when the export is written.
+the run's shards, hand-off record and metrics.jsonl know, gathered by `run_facts` when the export is written.
+
+The license has one source, config.json's `pretrained_cfg.license` (core/export/folder.py writes it only when the
+export is given one): the front matter's `license:` and the License section say what it says. When none is set, the
+card says so in its body only, never in a YAML comment: huggingface_hub's `ModelCard.load(...).save(...)` writes the
+metadata back from what it parsed, which drops comments, while the body is kept as it is.
 """
 
 from __future__ import annotations
@@ -28,16 +34,16 @@ from pathlib import Path
 
 import yaml
 
-from core.engine.ckpt_files import fsync_path
 from core.export.card_facts import MONITORS, DataSource, RunFacts
+from core.export.card_names import METHOD_NAMES, PRETRAINING, init_origin, model_name
 from core.export.manifest import MANIFEST_NAME
 from core.export.read import read_json
+from core.launch.ckpt_files import fsync_path
 from core.recipe.tree import flatten
 from data.quickstart import SYNTHETIC_WARNING
 
 CARD_NAME = "README.md"
 """The card's file name inside an export folder (the Hub shows a repo's README.md as its card)."""
-PRETRAINING = ("mae", "beit", "simmim", "data2vec2")
 EVALUATION = "Evaluation"
 USE = "Use it in timm"
 ORDER = ("Use it in timm", "Model", "Training", EVALUATION, "Monitors", "Recipe", "Files", "License")
@@ -63,7 +69,7 @@ def render_card(config: dict, manifest: dict, *, location: str, files: list[str]
         "Monitors": monitors_section(manifest, facts),
         "Recipe": recipe_section(recipe),
         "Files": files_section(files),
-        "License": LICENSE_TEXT,
+        "License": license_section(config),
     }
     body = [f"# {title(config, manifest)}", "", summary(manifest)]
     for name in ORDER:
@@ -73,11 +79,11 @@ def render_card(config: dict, manifest: dict, *, location: str, files: list[str]
 
 
 LICENSE_TEXT = (
-    "Not set: add `license:` to the front matter above (e.g. `apache-2.0`, `mit`, `cc-by-nc-4.0`, or `other` with "
-    "`license_name` and `license_link`) before publishing. The weights carry the terms of the data they were trained "
-    "on, and of the weights they started from."
+    "Not set: neither the front matter above (`license:`) nor config.json (`pretrained_cfg.license`) names one. Set "
+    "the same in both (e.g. `apache-2.0`, `mit`, `cc-by-nc-4.0`, or `other` with `license_name` and `license_link`) "
+    "before publishing."
 )
-METHOD_NAMES = {"mae": "MAE", "beit": "BEiT", "simmim": "SimMIM", "data2vec2": "data2vec 2.0"}
+TERMS = "The weights carry the terms of the data they were trained on, and of the weights they started from."
 FILES = {
     "config.json": "timm's configuration: architecture, its arguments, preprocessing",
     "model.safetensors": "the weights (safetensors, no pickle)",
@@ -97,10 +103,17 @@ def task(config: dict, manifest: dict) -> str:
     return "image-feature-extraction"
 
 
+def license_of(config: dict) -> str | None:
+    """The export's license: config.json's `pretrained_cfg.license` (None: not set)."""
+    return (config.get("pretrained_cfg") or {}).get("license") or None
+
+
 def front_matter(config: dict, manifest: dict, recipe: dict, facts: RunFacts | None) -> str:
-    """The YAML block between `---` lines, with `license:` as a comment for the user to fill in."""
+    """The YAML block between `---` lines; `license:` only when config.json names one."""
     kind = task(config, manifest)
-    meta = {"library_name": "timm", "pipeline_tag": kind, "tags": [kind, *method_tags(manifest), "mimpipe"]}
+    license_id = license_of(config)
+    meta = {"license": license_id} if license_id else {}
+    meta |= {"library_name": "timm", "pipeline_tag": kind, "tags": [kind, *method_tags(manifest), "mimpipe"]}
     convert = manifest.get("method") == "convert"
     init = manifest.get("source") if convert else (recipe.get("model") or {}).get("init")
     if isinstance(init, str) and init.startswith("hf-hub:"):
@@ -108,8 +121,7 @@ def front_matter(config: dict, manifest: dict, recipe: dict, facts: RunFacts | N
     datasets = list(dict.fromkeys(s.dataset for s in (facts.data if facts else []) if s.dataset))
     if datasets:
         meta["datasets"] = datasets
-    text = yaml.safe_dump(meta, sort_keys=False)
-    return f"---\n{text}# license: not set yet: fill it in (see the License section)\n---\n\n"
+    return f"---\n{yaml.safe_dump(meta, sort_keys=False)}---\n\n"
 
 
 def method_tags(manifest: dict) -> list[str]:
@@ -127,7 +139,7 @@ def method_tags(manifest: dict) -> list[str]:
 
 
 def title(config: dict, manifest: dict) -> str:
-    arch, method = config.get("architecture", "model"), manifest.get("method")
+    arch, method = model_name(config), manifest.get("method")
     num_classes = config.get("num_classes") or 0
     if method in PRETRAINING:
         return f"{arch} pretrained with {METHOD_NAMES[method]}"
@@ -203,12 +215,16 @@ def training_section(manifest: dict, run: dict, recipe: dict, facts: RunFacts | 
     settings = ", ".join(f"{k} {_value(v)}" for k, v in flatten(objective).items() if k != "kind")
     lines.append(f"- Objective: `{objective.get('kind')}`" + (f" ({settings})" if settings else ""))
     if manifest.get("encoder"):  # an objective with an EMA teacher: which of its two encoders this is
-        lines.append(
-            f"- Encoder: the {manifest['encoder']} of the student and its EMA teacher; timm's pre-norm blocks (the "
-            "data2vec 2.0 paper's are post-LN)"
+        note = (
+            "; timm's pre-norm blocks (the data2vec 2.0 paper's are post-LN)"
+            if manifest["method"] == "data2vec2"
+            else ""
         )
+        lines.append(f"- Encoder: the {manifest['encoder']} of the student and its EMA teacher{note}")
     init = (recipe.get("model") or {}).get("init")
-    lines.append(f"- Started from: `{init}`" if init else "- Started from: random initialisation")
+    origin = init_origin(facts.init) if facts and facts.init and facts.init.spec == init else ""
+    started = f"- Started from: `{init}`" + (f" ({origin})" if origin else "")
+    lines.append(started if init else "- Started from: random initialisation")
     for source in facts.data if facts else _recipe_sources(recipe):
         lines.append(f"- Data ({source.role}): {_describe(source)}")
     batch, step = (recipe.get("data") or {}).get("global_batch_size"), run.get("step")
@@ -252,6 +268,13 @@ def recipe_section(recipe: dict) -> str:
         "",
         "</details>",
     ])  # fmt: skip
+
+
+def license_section(config: dict) -> str:
+    license_id = license_of(config)
+    if not license_id:
+        return f"{LICENSE_TEXT} {TERMS}"
+    return f"`{license_id}` (the front matter's `license:`, as config.json's `pretrained_cfg.license`). {TERMS}"
 
 
 def files_section(files: list[str]) -> str:

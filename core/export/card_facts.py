@@ -1,7 +1,7 @@
 """What a model card says that only the run knows (core/export/card.py renders the card): the shards it read, as
-their index.json describes them (shards, samples, source, Hub dataset), the schedule's length, and the monitors' last
-values in metrics.jsonl at the exported step, read backwards from the file's end so that the cost does not grow with
-the run."""
+their index.json describes them (shards, samples, source, Hub dataset), the schedule's length, what `model.init` was
+(the method and step of the export it started from), and the monitors' last values in metrics.jsonl at the exported
+step, read backwards from the file's end so that the cost does not grow with the run."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.export.hub import is_hub_spec
+from core.export.manifest import MANIFEST_NAME
 from core.recipe.config import Config, ConfigError
 from data.specs import dataset_size, describe_shards, resolve_shards, split_index
 
@@ -43,17 +45,34 @@ class DataSource:
 
 
 @dataclass
+class InitFacts:
+    """What `model.init` was: as the run's hand-off recorded it (run_dir/load_report.json), else as the init export's
+    mimpipe.json says (a local folder; a Hub repo is not fetched for a card)."""
+
+    spec: str
+    """`model.init` as the recipe gives it."""
+    checkpoint_format: str | None = None
+    """core/export/read.py's format ("mimpipe-export", "mae-pretrain", "timm", ...), when known."""
+    manifest: dict = field(default_factory=dict)
+    """The init export's mimpipe.json without its recipe (method, step, mode, checkpoint_format, ...); {} for a file
+    that is not an export of ours."""
+
+
+@dataclass
 class RunFacts:
-    """What the card says that only the run's shards and metrics.jsonl know."""
+    """What the card says that only the run's shards, hand-off record and metrics.jsonl know."""
 
     data: list[DataSource] = field(default_factory=list)
     total_steps: int | None = None
     monitors: dict[str, tuple[int, float]] = field(default_factory=dict)
     """Key -> (step, value): the last logged at or before the exported step."""
+    init: InitFacts | None = None
+    """What `model.init` was (None: the recipe names none)."""
 
 
 def run_facts(cfg: Config, *, run_dir: Path | None, step: int | None) -> RunFacts:
-    """The data sources, schedule length and monitors' last values of a run (each left out when unreadable here)."""
+    """The data sources, schedule length, `model.init` and monitors' last values of a run (each left out when
+    unreadable here)."""
     train = cfg.data.train
     sources = [(f"train (weight {s.weight:g})", s.shards) for s in train] if cfg.data.is_mixture else [("train", train)]
     if cfg.data.val:
@@ -65,7 +84,39 @@ def run_facts(cfg: Config, *, run_dir: Path | None, step: int | None) -> RunFact
     monitors = {}
     if run_dir is not None:
         monitors = last_values(run_dir / "metrics.jsonl", expected_monitors(cfg), upto=step)
-    return RunFacts([describe_source(role, spec) for role, spec in sources], total_steps, monitors)
+    init = init_facts(cfg.model.init, run_dir) if cfg.model.init else None
+    return RunFacts([describe_source(role, spec) for role, spec in sources], total_steps, monitors, init)
+
+
+def init_facts(spec: str, run_dir: Path | None) -> InitFacts:
+    """What `spec` (a `model.init`) was: the run's hand-off record first (what was loaded, even when the init has been
+    replaced since, and what a Hub repo or official file was), else the init export's mimpipe.json."""
+    report = _read_json(run_dir / "load_report.json") if run_dir is not None else {}
+    if report.get("checkpoint_format"):
+        return InitFacts(spec, report["checkpoint_format"], _without_recipe(report.get("manifest") or {}))
+    if not is_hub_spec(spec):
+        manifest = _read_json(Path(spec) / MANIFEST_NAME)
+        if manifest:
+            return InitFacts(spec, "mimpipe-export", _without_recipe(manifest))
+    return InitFacts(spec)
+
+
+def _without_recipe(manifest: dict) -> dict:
+    """A manifest less its recipe, and a converted export's run manifest reduced to its method."""
+    slim = {k: v for k, v in manifest.items() if k not in ("config", "source_manifest")}
+    run = manifest.get("source_manifest")
+    if isinstance(run, dict) and run.get("method"):
+        slim["source_manifest"] = {"method": run["method"]}
+    return slim
+
+
+def _read_json(path: Path) -> dict:
+    """The JSON object in `path`; {} when it is missing, unreadable or not an object (a card never fails on it)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def describe_source(role: str, spec: str | list[str]) -> DataSource:

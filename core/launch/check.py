@@ -169,6 +169,8 @@ def check_launch(argv: list[str] | None, stages: Mapping[str, Callable[[], Stage
         print(f"[mimpipe] {note}", file=sys.stderr)
     for warning in findings.warnings:
         print(f"[mimpipe] warning: {warning}", file=sys.stderr)
+    for note in findings.notes:
+        print(f"[mimpipe] {note}", file=sys.stderr)
     if findings.relaunch.finished:
         return 0  # nothing on stdout: launch.sh starts no process
     if args.dry_run:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core.launch.rundir import latest_checkpoint
+from core.launch.rundir import resumed_checkpoint
 from core.recipe.config import Config
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def describe_bytes(num: float) -> str:
 
 def checkpoint_room(cfg: Config, objective: Callable[[], nn.Module]) -> tuple[str | None, str]:
     """Whether the filesystem of `run_dir` has room for `checkpoint.keep_last + 1` checkpoints (the peak while
-    saving) less those already there. One checkpoint's size is the latest one's in run_dir, else the estimate from
+    saving) less those already there. One checkpoint's size is that of the one a resume loads, else the estimate from
     the module `objective()` returns (called only then; it may build one on the meta device).
 
     Returns:
@@ -82,9 +82,9 @@ def checkpoint_room(cfg: Config, objective: Callable[[], nn.Module]) -> tuple[st
     """
     ckpt_dir = Path(cfg.run_dir) / "checkpoints"
     saved = [p for p in ckpt_dir.glob("step_*") if p.is_dir()] if ckpt_dir.is_dir() else []
-    latest = latest_checkpoint(cfg.run_dir)
-    if latest is not None and (ckpt_dir / latest.tag).is_dir():
-        size, how = folder_bytes(ckpt_dir / latest.tag), f"as checkpoints/{latest.tag}"
+    resumed = resumed_checkpoint(cfg.run_dir)
+    if resumed is not None and (ckpt_dir / resumed.tag).is_dir():
+        size, how = folder_bytes(ckpt_dir / resumed.tag), f"as checkpoints/{resumed.tag}"
     else:
         module = objective()
         size = checkpoint_bytes(module, cfg.optim.kind)

@@ -6,8 +6,9 @@ cannot use); `engine.precision` suits the machine (`auto` made concrete, bf16 re
 `run_dir` can be created and written, and no live launch holds its lease (core/launch/lease.py); every data split
 the stage reads resolves to shards, and the first sample of its first local shard has an image field (and, for
 fine-tuning, a label `data.decode.read_label` can read); a schedule in epochs has a sample count; an evaluation
-split has a shard for every rank (each rank reads its own, `make_eval_loader`); a relaunch into a run_dir whose latest
-checkpoint another config wrote is refused, and one into a finished run is found (core/launch/rundir.py).
+split has a shard for every rank (each rank reads its own, `make_eval_loader`); a relaunch into a run_dir whose
+checkpoint (the one its resume would load) another config wrote is refused, and one into a finished run is found
+(core/launch/rundir.py).
 Each stage adds its own checks (pretrain/preflight.py, finetune/preflight.py), handed in by
 core/entry/launch_check.py as `StageChecks`: `check(cfg, findings, world_size)`
 (`model.init`, `distill.teacher` and the labels' range for fine-tuning, the tokenizer target and the kNN sets for
@@ -33,7 +34,7 @@ from pathlib import Path
 from core.launch.gpus import cuda_unusable
 from core.launch.lease import in_use_by
 from core.launch.precision import PrecisionChoice, choose_precision, launch_machine
-from core.launch.rundir import Relaunch, latest_checkpoint, relaunch
+from core.launch.rundir import Relaunch, relaunch, resumed_checkpoint
 from core.recipe.config import Config, ConfigError
 from data.decode import IMAGE_FIELDS, LabelError, image_field, read_label
 from data.index import shard_samples
@@ -62,6 +63,9 @@ class Findings:
     passed: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     """What runs, but not as well as it could (printed with the plan)."""
+    notes: list[str] = field(default_factory=list)
+    """What the launch takes that the recipe does not say, e.g. `model.init`'s architecture (a line each, with the
+    plan)."""
     precision: PrecisionChoice | None = None
     """The precision the launch trains in and why (`check_precision`)."""
     relaunch: Relaunch = field(default_factory=Relaunch)
@@ -75,6 +79,9 @@ class Findings:
 
     def ok(self, note: str) -> None:
         self.passed.append(note)
+
+    def note(self, line: str) -> None:
+        self.notes.append(line)
 
 
 @dataclass(frozen=True)
@@ -290,7 +297,7 @@ def check_relaunch(cfg: Config, resolve, findings: Findings, *, allow_change: bo
     """A launch into a run_dir that holds a checkpoint (core/launch/rundir.py): refused when another config wrote it
     (unless `allow_change`); found finished when it reached this schedule's end. `resolve` completes the config as the
     entry point will before comparing it."""
-    if latest_checkpoint(cfg.run_dir) is None:
+    if resumed_checkpoint(cfg.run_dir) is None:
         return Relaunch()
     resolved = cfg.model_copy(deep=True)
     try:

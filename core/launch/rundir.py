@@ -1,12 +1,14 @@
 """A run_dir is one run: what a relaunch into it may do (docs/run_dir.md).
 
-The run_dir's latest checkpoint holds the config that wrote it (`checkpoints/<tag>/config.yaml`). A relaunch whose
-resolved config differs from it only in `MAY_CHANGE` keys resumes with the new values (listed on one line); any
-other difference is refused, before any process starts (launch.sh's pre-flight, core/launch/check.py) and again by the
-stage entry point (rank 0 decides, see core/engine/run.py), unless the launch passes `--allow-config-change`. A run
-that reached the end of its schedule and exported leaves `finished.json`: relaunching it with the same schedule does
-nothing (exit 0); a longer one continues it. The first launch's config is `config.yaml`, each later launch's goes to
-`configs/launch_NNNN.yaml`, so that none is overwritten.
+A relaunch is judged by the checkpoint its resume would load (core/launch/ckpt_files.py `choose_resume`: the one
+`latest` names when it is complete, else the newest complete one, as for a torn or truncated `latest`), which holds
+the config that wrote it (`checkpoints/<tag>/config.yaml`). A relaunch whose resolved config differs from it only in
+`MAY_CHANGE` keys resumes with the new values (listed on one line); any other difference is refused, before any
+process starts (launch.sh's pre-flight, core/launch/check.py) and again by the stage entry point (rank 0 decides, see
+core/engine/run.py), unless the launch passes `--allow-config-change`. A run that reached the end of its schedule and
+exported leaves `finished.json`: relaunching it with the same schedule does nothing (exit 0) when that checkpoint is
+the finished step's; a longer one continues it. The first launch's config is `config.yaml`, each later launch's goes
+to `configs/launch_NNNN.yaml`, so that none is overwritten.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from core.launch.ckpt_files import choose_resume
 from core.recipe.config import Config
 from core.recipe.tree import flatten
 
@@ -83,8 +86,8 @@ class Change:
 
 @dataclass(frozen=True)
 class Checkpointed:
-    """What the run_dir's latest checkpoint says: its tag, the step it holds, and the config that wrote it (None
-    when the checkpoint has no config.yaml: a torn save, which core/engine/checkpoint.py deals with)."""
+    """What the checkpoint a resume would load says: its tag, the step it holds, and the config that wrote it (None
+    when it has no config.yaml: a torn save in a run_dir from before completeness markers, resumed as `latest`)."""
 
     tag: str
     step: int
@@ -96,7 +99,7 @@ class Relaunch:
     """What launching `cfg` into its run_dir does.
 
     Attributes:
-        checkpoint: The latest checkpoint there, or None (a fresh run).
+        checkpoint: The checkpoint a resume would load there (`resumed_checkpoint`), or None (a fresh run).
         applied: Differences in `MAY_CHANGE` keys: resumed with the new values.
         refused: Other differences: the launch is refused unless `allowed`.
         allowed: `--allow-config-change` was passed.
@@ -136,12 +139,16 @@ class Relaunch:
         return notes
 
 
-def latest_checkpoint(run_dir: str | Path) -> Checkpointed | None:
-    """The checkpoint `checkpoints/latest` names, or None when there is none."""
+def resumed_checkpoint(run_dir: str | Path) -> Checkpointed | None:
+    """The checkpoint a resume would load (`choose_resume`: `latest` when it names a complete one, else the newest
+    complete one, as for a torn `latest`), or None when the resume would start from scratch. The resume reads its
+    files back in full first (core/engine/checkpoint.py `resumable_tag`); this reads its marker and file sizes only."""
     ckpt_dir = Path(run_dir) / "checkpoints"
-    if not (ckpt_dir / "latest").is_file():  # also when run_dir is not a folder (pre-flight reports that)
+    if not ckpt_dir.is_dir():  # also when run_dir is not a folder (pre-flight reports that)
         return None
-    tag = (ckpt_dir / "latest").read_text().strip()
+    tag, _ = choose_resume(ckpt_dir)  # the resume prints the line saying why it is not `latest`'s
+    if tag is None:
+        return None
     config = ckpt_dir / tag / "config.yaml"
     return Checkpointed(tag, saved_step(ckpt_dir / tag), config.read_text() if config.is_file() else None)
 
@@ -185,7 +192,7 @@ def relaunch(cfg: Config, total_steps: int | None, *, allow_change: bool = False
         total_steps: Its schedule length in steps; None when unknown (then it is never `finished`).
         allow_change: `--allow-config-change` was passed.
     """
-    checkpoint = latest_checkpoint(cfg.run_dir)
+    checkpoint = resumed_checkpoint(cfg.run_dir)
     if checkpoint is None:
         return Relaunch()
     changes = [] if checkpoint.config_yaml is None else config_changes(checkpoint.config_yaml, cfg)

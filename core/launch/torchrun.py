@@ -3,7 +3,10 @@
 torchrun ends a run in which a worker failed by raising `ChildFailedError` out of its main: a traceback of torchrun
 itself and a table per rank, after the ranks' own output (SIGTERM: a `SignalException` traceback). The ranks already
 said what went wrong (core/engine/failure.py), so here the failed ranks are listed on one line, each with its exit
-code or the signal that ended it. The exit code stays torchrun's: 1.
+code or the signal that ended it. The exit code stays torchrun's, 1, but for a launch refused before training: every
+rank exited `EXIT_REFUSED` (2; a rank still ending when the first had exited may show as killed by the SIGTERM
+torchrun then sends), and the agent exits 2 too, as one process or launch.sh's pre-flight does, adding no line to the
+refusal's own (`exit_code`).
 
 Ctrl-C (SIGINT; the ranks, in sessions of their own, get it from here only): the first is torchrun's own shutdown, as
 for SIGTERM: SIGINT to each rank's process group, then up to `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds for the ranks to
@@ -32,6 +35,9 @@ from core.launch.imports import imports_without_collection
 
 EXIT_FAILED = 1
 """torchrun's exit code when a worker failed or torchrun itself was signalled."""
+EXIT_REFUSED = 2
+"""The exit code of a launch refused before training (another live launch holds run_dir, a run of another config
+there, no room for its checkpoints...): every rank's own, as core/engine/failure.py's, and launch.sh's pre-flight's."""
 EXIT_INTERRUPTED = 130
 """The exit code after Ctrl-C (128 + SIGINT), as the ranks' own (core/engine/preempt.py)."""
 KILL_AFTER_S = 5.0
@@ -55,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torchrun_main(argv)
     except ChildFailedError as err:
-        if err.failures and all(failure.exitcode == EXIT_INTERRUPTED for failure in err.failures.values()):
-            return EXIT_INTERRUPTED  # a Ctrl-C (here, or on another node): the ranks said so
-        print(failure_line(err), file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        code = exit_code(err)
+        if code == EXIT_FAILED:
+            print(failure_line(err), file=sys.stderr, flush=True)
+        return code  # a Ctrl-C (here, or on another node) or a refusal: the ranks said so
     except SignalException as err:
         if err.sigval == signal.SIGINT:
             return EXIT_INTERRUPTED  # the ranks said what they saved
@@ -105,6 +111,19 @@ def _quiet_torchrun() -> None:
     for name in list(logging.Logger.manager.loggerDict):
         if name.startswith("torch.distributed"):
             logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def exit_code(err) -> int:
+    """The agent's exit code for torchrun's `ChildFailedError` `err`: `EXIT_INTERRUPTED` when every failed rank exited
+    with it (a Ctrl-C); `EXIT_REFUSED` when the ranks were refused before training, which they decide together (rank 0
+    tells the others, core/engine/run.py): every failed rank exited with it, but those torchrun stopped with SIGTERM
+    once the first had exited (killed by it as they ended); else `EXIT_FAILED`."""
+    codes = [failure.exitcode for failure in err.failures.values()]
+    if codes and all(code == EXIT_INTERRUPTED for code in codes):
+        return EXIT_INTERRUPTED
+    if EXIT_REFUSED in codes and all(code in (EXIT_REFUSED, -signal.SIGTERM) for code in codes):
+        return EXIT_REFUSED
+    return EXIT_FAILED
 
 
 def failure_line(err) -> str:

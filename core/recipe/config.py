@@ -34,7 +34,6 @@ from core.recipe.sections import (
 )
 from core.recipe.teacher_sections import Data2Vec2Objective, IJEPAObjective
 from core.recipe.tree import recipe_tree
-from data.multiblock import MultiBlockMasks
 from data.shard_read import ShardReadPolicy
 from data.worker_process import LOADER_TIMEOUT_S
 
@@ -624,12 +623,16 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def ijepa_masks(objective: IJEPAObjective, grid: tuple[int, int]) -> MultiBlockMasks:
-    """I-JEPA's per-batch mask sampler for `grid` (data/multiblock.py), from the recipe's objective.
+def ijepa_masks(objective: IJEPAObjective, grid: tuple[int, int]):
+    """I-JEPA's per-batch mask sampler for `grid` (data/multiblock.py `MultiBlockMasks`), from the recipe's objective.
 
     Raises:
         ValueError: Blocks that do not fit the grid, or a context that cannot keep `min_keep` tokens (naming the key).
     """
+    # Imported here, for I-JEPA's recipes only: the sampler's module imports torch, which loading a recipe must not
+    # (launch.sh's check runs before any process that needs torch: tests/unit/test_prestart.py).
+    from data.multiblock import MultiBlockMasks
+
     return MultiBlockMasks(
         grid,
         num_targets=objective.num_targets,

@@ -65,7 +65,9 @@ class ModelConfig(Section):
     """Weights to start from: our export folder, an official MAE/DeiT checkpoint, a timm state dict
     (.pth/.bin/.safetensors), or a Hub repo `hf-hub:ORG/NAME[@REVISION]` (read through the Hugging Face cache;
     HF_HUB_OFFLINE=1 honoured); see core/export/handoff.py. Pretraining continues from them (warm start: the encoder,
-    and the decoder when the file holds one in MAE's layout; pretrain/warm_start.py)."""
+    and the decoder when the file holds one in MAE's layout; pretrain/warm_start.py). The architecture keys the recipe
+    leaves out (and data.mean/std) are the checkpoint's; one it sets must agree, but for img_size and patch_size, which
+    the hand-off resizes to (core/export/architecture.py, docs/handoff.md)."""
     trust_checkpoint: bool = False
     """Allow unpickling non-tensor objects from `init` (official MAE checkpoints carry argparse args). Only for files
     you trust: a pickle can run code."""
@@ -129,6 +131,8 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _check_patch(self) -> ModelConfig:
+        if self.init and not {"img_size", "patch_size"} <= self.model_fields_set:
+            return self  # the checkpoint's, checked when the stage completes the recipe (core/export/architecture.py)
         h, w = self.image_hw
         if self.arch in ("vit", "vit_hybrid") and (h % self.pixel_stride or w % self.pixel_stride):
             what = "model.patch_size" if self.arch == "vit" else "the hybrid backbone's stride x model.patch_size"

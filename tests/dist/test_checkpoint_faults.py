@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from core.engine.ckpt_files import why_incomplete
+from core.launch.ckpt_files import why_incomplete
 from tests.helpers.files import rot_a_tensor
 from tests.launching import REPO, free_port, torchrun
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from core.engine.ckpt_files import checkpoint_files, choose_resume, read_latest, why_damaged
+from core.launch.ckpt_files import checkpoint_files, choose_resume, read_latest, why_damaged
 from tests.launching import (
     MARKER,
     REPO,

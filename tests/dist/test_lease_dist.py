@@ -1,9 +1,10 @@
 """Recipe: the tiny MAE of tests/launching.py `pretrain_recipe` through ./launch.sh: the session's `zero2_run` recipe
-(2 gloo processes, 6 steps) launched twice at once into one run_dir, and a 30-step run of one process killed with
-kill -9 and relaunched, from its own host and, as a SLURM requeue on another node, from another "host"
-(`MIMPIPE_LEASE_HOST`). A run_dir has one owner (core/launch/lease.py, docs/run_dir.md): the second launch stops
-before it trains, with one line; a killed owner is taken over at once where its process is seen gone, after its lease
-timeout elsewhere; a finished run leaves no lease and relaunches as before."""
+(2 gloo processes, 6 steps) launched twice at once into one run_dir, and launched once into a run_dir whose lease this
+test takes right after launch.sh's pre-flight; and a 30-step run of one process killed with kill -9 and relaunched,
+from its own host and, as a SLURM requeue on another node, from another "host" (`MIMPIPE_LEASE_HOST`). A run_dir has
+one owner (core/launch/lease.py, docs/run_dir.md): the second launch stops before it trains, with one line and exit
+code 2; a killed owner is taken over at once where its process is seen gone, after its lease timeout elsewhere; a
+finished run leaves no lease and relaunches as before."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from core.launch.lease import LEASE_FILE, here, new_lease
 from tests.launching import REPO, launch, launch_env, losses, pretrain_recipe, read_metrics, write_recipe
 
 pytestmark = [pytest.mark.dist, pytest.mark.faults]  # launches into a used run_dir, owners killed: `make test-faults`
@@ -64,7 +67,7 @@ def test_of_two_launches_at_once_one_trains_as_a_lone_run_and_the_other_stops_wi
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda _: launch(recipe), range(2)))
     codes = sorted(proc.returncode for proc in procs)
-    assert codes == [0, 1], [proc.stdout[-3000:] for proc in procs]  # torchrun exits 1 when its ranks failed
+    assert codes == [0, 2], [proc.stdout[-3000:] for proc in procs]  # refused: torchrun's agent exits as its ranks
     winner, loser = sorted(procs, key=lambda proc: proc.returncode)
 
     # Both passed the pre-flight; rank 0 of the loser found the winner's lease at its stage's start and told its ranks.
@@ -72,9 +75,9 @@ def test_of_two_launches_at_once_one_trains_as_a_lone_run_and_the_other_stops_wi
     assert len(lines) == 1, loser.stdout[-3000:]
     pattern = re.escape("[mimpipe] refused: ") + IN_USE.format(run_dir=re.escape(str(run_dir)), host=r"\S+", job="")
     assert re.match(pattern, lines[0]) and "--take-over-run-dir" in lines[0], lines[0]
-    # Every rank exits 2; torchrun names the first to exit, then SIGTERMs the other unless it is gone already (a fresh
-    # clone's CI saw rank 1 first, then rank 0 killed by SIGTERM after it had printed its line)
-    assert re.search(r"\[mimpipe\] torchrun: pretrain failed: rank [01] \(exit code 2\)", loser.stdout)
+    # Every rank exits 2 (torchrun SIGTERMs the other once one has, which may kill it as it ends: a fresh clone's CI
+    # saw rank 1 first, then rank 0 killed by SIGTERM after it had printed its line); no failure report
+    assert "[mimpipe] torchrun:" not in loser.stdout
     assert "[mimpipe] stage" not in loser.stdout and "Traceback" not in loser.stdout
 
     # The winner trained as a lone run does, bit for bit, each step logged once, and left no lease.
@@ -83,6 +86,43 @@ def test_of_two_launches_at_once_one_trains_as_a_lone_run_and_the_other_stops_wi
     assert not (run_dir / "configs").exists()  # one launch kept its config: the loser wrote nothing
     assert not (run_dir / "lease.json").exists()
     assert "taking over" not in winner.stdout
+
+
+def test_a_launch_its_ranks_refuse_exits_2_through_launch_sh_with_the_refusal_once(shards, tmp_path):
+    """2 ranks through ./launch.sh; this test's process takes run_dir's lease as a live launch would, right after
+    launch.sh's pre-flight passed (so the ranks, not the pre-flight, find it): rank 0 refuses at its stage's start and
+    tells rank 1, both exit 2, and torchrun's agent exits 2 too (core/launch/torchrun.py `exit_code`), with the
+    refusal's one line and no failure report. The run_dir is left as it was: the holder's lease, nothing written."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "tiny_mae.yaml", pretrain_recipe(shards, run_dir))
+    run_dir.mkdir()
+    holder = new_lease("pretrain", "/elsewhere/tiny_mae.yaml", 300.0, time.time(), here())  # this process: live
+    proc = subprocess.Popen(
+        [str(REPO / "launch.sh"), str(recipe)], cwd=REPO, env=launch_env(2), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    watchdog = threading.Timer(300, _stop, (proc,))  # a hung launch ends the read below
+    watchdog.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("[mimpipe] pre-flight:"):  # the ranks start now, and take seconds to import torch
+                (run_dir / LEASE_FILE).write_bytes(holder.encode())
+        code = proc.wait()
+    finally:
+        watchdog.cancel()
+        _stop(proc)
+    output = "\n".join(lines)
+    assert code == 2, output[-4000:]
+    refused = [line for line in lines if "run_dir:" in line]
+    in_use = IN_USE.format(run_dir=re.escape(str(run_dir)), host=re.escape(here().host), job="")
+    pattern = re.escape("[mimpipe] refused: ") + in_use
+    assert len(refused) == 1 and re.match(pattern, refused[0]), output[-4000:]
+    assert f"pid {os.getpid()} " in refused[0] and refused[0].endswith("--take-over-run-dir if you know it is gone")
+    assert "[mimpipe] torchrun:" not in output and "Traceback" not in output and "[mimpipe] stage" not in output
+    assert (run_dir / LEASE_FILE).read_bytes() == holder.encode()
+    assert sorted(p.name for p in run_dir.iterdir()) == [LEASE_FILE]
 
 
 def test_a_killed_owner_is_taken_over_at_once_on_its_host_and_a_finished_run_leaves_no_lease(shards, tmp_path):

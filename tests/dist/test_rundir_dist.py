@@ -69,6 +69,24 @@ def test_changed_config_is_refused_and_finished_run_does_nothing(zero2_run, tmp_
     assert snapshot(run_dir) == before
 
 
+def test_a_finished_run_whose_latest_was_truncated_still_does_nothing(zero2_run, tmp_path):
+    """`checkpoints/latest` cut short to `step_000` (not step 0: core/launch/ckpt_files.py `read_latest`): the relaunch
+    is judged by the checkpoint its resume would load, step 6, so the finished run does nothing and no process starts
+    (before: the pre-flight read step 0, the ranks started, resumed at step 6 with a warning and exported again)."""
+    run_dir, recipe = copy_run(zero2_run, tmp_path / "run")
+    (run_dir / "checkpoints" / "latest").write_text("step_000")
+    before = snapshot(run_dir)
+
+    proc = launch(recipe, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert [line for line in proc.stdout.splitlines() if "[mimpipe]" in line or "launch.sh" in line] == [
+        f"[mimpipe] {run_dir} holds a finished run (step 6, checkpoints/step_00000006, exported): nothing to do; "
+        "lengthen the schedule (schedule.steps / schedule.epochs) to continue it, or pass run_dir=NEW_DIR to start a "
+        "new run"
+    ], proc.stdout[-3000:]
+    assert snapshot(run_dir) == before  # no training, no export, no config, no log line; `latest` left as it was
+
+
 def test_plain_torchrun_entry_point_decides_the_same(zero2_run, tmp_path):
     """Without launch.sh's pre-flight the stage refuses (rank 0 decides, every rank exits 2) and finds the run
     finished (every rank exits 0) itself."""

@@ -8,19 +8,20 @@ from collections import deque
 import pytest
 import torch
 
-from core.engine.ckpt_files import (
+from core.engine.rollback import is_spike
+from core.launch.ckpt_files import (
     COMPLETE,
     LATEST,
     checkpoint_bytes,
     choose_resume,
     prune,
+    read_latest,
     step_of,
     tag_folders,
     why_damaged,
     why_incomplete,
     write_marker,
 )
-from core.engine.rollback import is_spike
 from tests.helpers.files import rot_a_tensor
 
 
@@ -65,6 +66,37 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint_and_says_so(tmp_pat
     assert note.startswith("[mimpipe] warning: ") and note.endswith("step_00000006, the newest complete one")
     if latest == "step_00000008":
         assert "names step_00000008, which cannot be loaded: no completeness marker" in note
+
+
+@pytest.mark.parametrize("held", ["step_000", "step_0000000", "step_000000006", "step_00000006.tmp", "step_"])
+def test_latest_cut_short_is_no_tag_and_the_resume_falls_back_to_the_newest_complete_one(tmp_path, held):
+    """A `latest` holding less (or more) than a whole `step_NNNNNNNN` name, as `tag_of` writes it, names no
+    checkpoint: `step_000` is a truncated `step_00000006`, not step 0. The resume falls back as for a torn one,
+    with one line saying so."""
+    _tag(tmp_path, 4)
+    _tag(tmp_path, 6)
+    (tmp_path / LATEST).write_text(held)
+    assert read_latest(tmp_path) is None
+    assert choose_resume(tmp_path) == (
+        "step_00000006",
+        f"[mimpipe] warning: {tmp_path / LATEST} is unreadable or names no checkpoint; resuming from "
+        f"{tmp_path / 'step_00000006'}, the newest complete one",
+    )
+    for whole in ("step_00000006\n", "step_123456789"):  # an editor's newline is stripped; past 10^8 steps, 9 digits
+        (tmp_path / LATEST).write_text(whole)
+        assert read_latest(tmp_path) == whole.strip()
+
+
+def test_a_latest_naming_an_incomplete_checkpoint_falls_back_to_its_complete_predecessor(tmp_path):
+    _tag(tmp_path, 6)
+    _tag(tmp_path, 8, complete=False)
+    (tmp_path / LATEST).write_text("step_00000008")
+    assert read_latest(tmp_path) == "step_00000008"  # a whole tag: the resume finds it incomplete
+    assert choose_resume(tmp_path) == (
+        "step_00000006",
+        f"[mimpipe] warning: {tmp_path / LATEST} names step_00000008, which cannot be loaded: no completeness marker "
+        f"(a save that did not finish); resuming from {tmp_path / 'step_00000006'}, the newest complete one",
+    )
 
 
 def test_a_flipped_bit_that_torch_load_would_not_notice_makes_a_checkpoint_damaged(tmp_path):

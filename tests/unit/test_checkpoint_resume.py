@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from core.engine.checkpoint import ConversionFiles, RNGState, find_resume, load_states
-from core.engine.ckpt_files import write_marker
 from core.engine.failure import PeerLostError
 from core.engine.train_state import TrainState
+from core.launch.ckpt_files import write_marker
 from tests.helpers.files import flip_a_bit, rot_a_tensor
 
 TRAIN = TrainState(

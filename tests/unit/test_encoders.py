@@ -106,7 +106,10 @@ def test_unit_masks_cover_whole_units_with_ceil_of_the_ratio():
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["model.arch=t2t_vit"], "MAE drops the masked tokens.*use objective.kind simmim"),
+        (
+            ["model.arch=t2t_vit"],
+            "objective.kind mae needs model.arch vit.*it drops the masked tokens.*use objective.kind simmim",
+        ),
         (["model.arch=vt_resnet", "objective.kind=simmim"], "VT is fine-tuned only"),
         (["objective.kind=simmim", "model.img_size=28", "model.patch_size=4"], "mask_patch_size 2 does not divide"),
         (["model.arch=t2t_vit", "objective.kind=simmim", "model.img_size=28"], "divisible by 16"),

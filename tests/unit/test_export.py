@@ -1,6 +1,9 @@
-"""Encoder export: timm loads it offline with identical keys, tensors and features; the write is atomic."""
+"""Encoder export: timm loads it offline with identical keys, tensors and features; the write is atomic; every file is
+readable as a new file under the umask is."""
 
 import json
+import os
+import stat
 
 import pytest
 import safetensors.torch
@@ -93,6 +96,30 @@ def test_bf16_and_shared_storage_tensors_are_written_as_given(tmp_path):
     for key, tensor in model.state_dict().items():
         assert written[key].dtype == torch.bfloat16 and torch.equal(written[key], tensor), key
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_file_of_an_export_has_the_mode_of_a_new_file_under_the_umask(tmp_path, umask):
+    """safetensors writes through a private temporary file (0600): on a shared file system nobody else could load the
+    weights. Every file gets what a plain new file gets (0644 under umask 022), whoever wrote it."""
+
+    def private(path):  # a writer that keeps its file to itself, as tempfile.mkstemp does
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+
+    extra = {"seg_head.safetensors": lambda path: safetensors.torch.save_file({"w": torch.zeros(2)}, path),
+             "notes.txt": private}  # fmt: skip
+    old = os.umask(umask)
+    try:
+        out_dir = export_tiny(wide_vit(), tmp_path / "export", extra_files=extra)
+        export_tiny(wide_vit(seed=1), out_dir, extra_files=extra)  # a re-export, swapped in over the first
+    finally:
+        os.umask(old)
+
+    modes = {p.name: stat.S_IMODE(os.stat(p).st_mode) for p in out_dir.iterdir()}
+    names = ["README.md", "config.json", "mimpipe.json", "model.safetensors", "notes.txt", "seg_head.safetensors"]
+    assert modes == dict.fromkeys(names, 0o666 & ~umask)
+    assert stat.S_IMODE(os.stat(out_dir).st_mode) == 0o777 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]  # the mode probe is not left behind
 
 
 def test_failure_mid_write_keeps_the_previous_export(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """How a rank ends on an error (core/engine/failure.py): one console line, the traceback in run_dir/logs; a recipe
 that does not load, started without launch.sh, refused as launch.sh's check refuses it (its lines, exit code 2); and
-the one-line report of a failed torchrun run (core/launch/torchrun.py)."""
+the one-line report of a failed torchrun run and the agent's exit code (core/launch/torchrun.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from core.engine import failure
 from core.engine.distributed import nccl_error_handling
-from core.launch.torchrun import failure_line
+from core.launch.torchrun import EXIT_FAILED, EXIT_REFUSED, exit_code, failure_line
 from core.recipe.config import ConfigError
 from data.decode import LabelError
 from tests.launching import REPO
@@ -207,3 +207,27 @@ def test_torchrun_failure_is_one_line_with_each_rank_and_its_code():
         "[mimpipe] torchrun: finetune failed: rank 1 (exit code 1) first, then rank 0 (killed by SIGKILL);"
     )
     assert "\n" not in line
+
+
+@pytest.mark.parametrize(
+    ("codes", "expected"),
+    [
+        ((2, 2), EXIT_REFUSED),  # every rank refused before training (rank 0 told the others)
+        ((2, -15), EXIT_REFUSED),  # the other still ending when torchrun SIGTERMed it after the first had exited
+        ((-15, 2), EXIT_REFUSED),
+        ((2, 1), EXIT_FAILED),  # a rank that failed on its own is a failure, whatever the others said
+        ((2, -9), EXIT_FAILED),
+        ((-15, -15), EXIT_FAILED),
+        ((1,), EXIT_FAILED),
+        ((3, 3), EXIT_FAILED),  # non-finite and preempted (4) under torchrun stay torchrun's 1
+        ((4, 4), EXIT_FAILED),
+        ((130, 130), 130),  # Ctrl-C
+        ((130, 2), EXIT_FAILED),
+    ],
+)
+def test_torchrun_exits_as_its_ranks_only_for_a_refusal_and_ctrl_c(codes, expected):
+    failures = {
+        rank: ProcessFailure(local_rank=rank, pid=10 + rank, exitcode=code, error_file="<N/A>")
+        for rank, code in enumerate(codes)
+    }
+    assert exit_code(ChildFailedError("pretrain", failures)) == expected

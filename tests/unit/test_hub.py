@@ -221,6 +221,8 @@ def test_preflight_passes_a_cached_repo_and_refuses_a_missing_one_in_one_line(hu
     assert code == 0 and lines == [], printed
     passed = {"finetune": "model.init: mimpipe-export, ViT 32 wide", "pretrain": f"model.init: hf-hub:{REPO} in"}
     assert passed[stage] in printed, printed
+    # the repo's config.json completes the recipe as a local export's does: here only its normalisation is left out
+    assert f"[mimpipe] model from hf-hub:{REPO}: mean/std (config.json)\n" in printed, printed
     code, lines, printed = check("hf-hub:org/absent")
     assert code == 2 and len(lines) == 1, printed
     assert lines[0].startswith("launch.sh: model.init: hf-hub:org/absent: config.json is not in the Hugging Face cache")

@@ -1,6 +1,8 @@
 """The model card of every export (core/export/card.py): a Hub card whose metadata parses and types right, the folder
-it sits in still loads in timm, the run's facts (shards, steps, monitors at the exported step) in its body, `mimpipe
-evaluate`'s section put in and replaced whole, and metrics.jsonl read at a cost that does not grow with the run."""
+it sits in still loads in timm, the run's facts (shards, steps, monitors at the exported step, what its init was) in
+its body, a title that names the model as built, one license in config.json and the card that survives a re-save by
+huggingface_hub, `mimpipe evaluate`'s section put in and replaced whole, and metrics.jsonl read at a cost that does not
+grow with the run."""
 
 import json
 from pathlib import Path
@@ -15,8 +17,10 @@ from huggingface_hub.repocard import metadata_load
 from core.export import card_facts
 from core.export import folder as folder_module
 from core.export.card import CARD_NAME, render_card, split_card, update_card_evaluation
-from core.export.card_facts import last_values, run_facts
+from core.export.card_facts import InitFacts, last_values, run_facts
+from core.export.card_names import init_origin
 from core.export.folder import export_model, export_state_dict
+from core.export.handoff import load_encoder
 from core.models.build import build_model
 from core.recipe.config import dump_config, load_config
 from data.__main__ import main as data_main
@@ -84,9 +88,10 @@ def test_pretraining_card_parses_as_a_hub_card_and_timm_still_loads_the_folder(t
     }
     assert ModelCardData(**meta).to_dict() == meta and metadata_errors(str(card)) == []
     front = (out / CARD_NAME).read_text().split("\n---\n")[0]
-    assert "\n# license: not set yet" in front  # left for the user, and said so in the body
+    assert "license" not in front  # not set: said in the body only (a YAML comment would not survive a re-save)
     body = card.text
-    assert "## License\n\nNot set: add `license:`" in body
+    assert "## License\n\nNot set: neither the front matter above (`license:`) nor config.json" in body
+    assert "# ViT (128 wide, 4 blocks, patch 4, 16 px) pretrained with MAE\n" in body
     assert f'timm.create_model("local-dir:{out}", pretrained=True)' in body
     assert f"- Data (train): `{shards}`: 2 shards, 32 samples, written from fashion-mnist (split train)" in body
     assert "- Steps: exported at optimizer step 100 of 700, global batch 8 (800 samples seen)" in body
@@ -114,7 +119,7 @@ def test_finetuning_segmentation_and_converted_cards_name_their_task(tmp_path):
     text = render_card(config, finetune, location="local-dir:x", files=["config.json"])
     meta = ModelCard(text).data.to_dict()
     assert meta["pipeline_tag"] == "image-classification" and meta["base_model"] == "org/encoder"
-    assert "# vit_tiny_patch16_224 linear probe for image classification (3 classes)" in text
+    assert "# ViT (192 wide, 12 blocks, patch 16, 16 px) linear probe for image classification (3 classes)" in text
     assert "| val/top1 | 0.75 | 40 |" in text and "val/top5" not in text  # the exported weights' own score
     assert "- Classifier: 3 classes: a, b, c" in text and "(the best evaluation so far)" in text
 
@@ -207,3 +212,81 @@ def test_reading_the_monitors_costs_the_same_however_long_the_run(tmp_path, monk
         counts.append(len(parsed))
     assert counts[0] == counts[1] <= 4  # the last line of each monitor, whatever the length
     assert values[1]["train/loss"] == (20_000, 1 / 20_000) and values[1]["knn/top1"] == (20_000, 2.0)
+
+
+def title_of(config: dict, manifest: dict) -> str:
+    return render_card(config, manifest, location="x", files=[]).split("\n# ", 1)[1].splitlines()[0]
+
+
+def test_the_title_names_the_model_as_built(tmp_path):
+    out = export_model(wide_vit(), tmp_path / "export", model_args=ARGS, manifest={"method": "mae", "step": 5})
+
+    assert json.loads((out / "config.json").read_text())["architecture"] == "vit_tiny_patch16_224"  # timm's name
+    assert ModelCard.load(out / CARD_NAME).text.strip().splitlines()[0] == (
+        "# ViT (64 wide, 2 blocks, patch 4, 28 px) pretrained with MAE"
+    )  # fmt: skip
+    base = {"img_size": [224, 224], "patch_size": [16, 16], "embed_dim": 768, "depth": 12, "num_heads": 12}
+    vit_b = {"architecture": "vit_base_patch16_224", "model_args": base}
+    assert title_of(vit_b, {"method": "mae"}) == "vit_base_patch16_224 pretrained with MAE"  # the name is the model
+    deit = {"architecture": "deit_tiny_distilled_patch16_224", "model_args": {"img_size": [28, 32], "patch_size": 4}}
+    expected = "DeiT distilled (192 wide, 12 blocks, patch 4, 28x32 px) pretrained with SimMIM"
+    assert title_of(deit, {"method": "simmim"}) == expected
+    hybrid = {"architecture": "vit_small_r26_s32_224", "model_args": {"img_size": 64}}
+    assert title_of(hybrid, {"method": "beit"}) == "vit_small_r26_s32_224 pretrained with BEiT"  # not spelt out
+
+
+@pytest.mark.parametrize("license_id", [None, "cc-by-nc-4.0"])
+def test_the_license_is_one_thing_in_config_json_and_the_card_and_survives_a_resave(tmp_path, license_id):
+    manifest = {"method": "mae", "step": 5}
+    out = export_model(wide_vit(), tmp_path / "export", model_args=ARGS, manifest=manifest, license_id=license_id)
+
+    pretrained_cfg = json.loads((out / "config.json").read_text())["pretrained_cfg"]
+    assert pretrained_cfg.get("license") == license_id  # not the registry's apache-2.0 (timm's released weights')
+    assert not set(pretrained_cfg) & set(folder_module.SOURCE_WEIGHTS_KEYS) - {"license"}
+    update_card_evaluation(out, "| measure | value |\n|---|---|\n| knn/top1 | 0.5000 |")
+    text = (out / CARD_NAME).read_text()
+    assert ModelCard(text).data.to_dict().get("license") == license_id and metadata_errors(text) == []
+    section = dict(split_card(text)[2])["License"].strip()
+    expected = f"`{license_id}` (the front matter's `license:`" if license_id else "Not set: neither the front matter"
+    assert section.startswith(expected) and "carry the terms of the data" in section
+
+    ModelCard.load(out / CARD_NAME).save(out / CARD_NAME)  # what a script or the Hub's tooling may do with a card
+
+    assert (out / CARD_NAME).read_text() == text  # license, License section, Evaluation: all as they were
+    with pytest.raises(ValueError, match="license 'Apache 2.0'"):
+        export_model(wide_vit(), tmp_path / "other", model_args=ARGS, manifest=manifest, license_id="Apache 2.0")
+
+
+def finetune_export(tmp_path: Path, shards: Path, init: Path) -> Path:
+    """A fine-tuning run's best export (finetune/best.py's manifest) of a recipe whose `model.init` is `init`."""
+    run_dir = tmp_path / "finetune"
+    overrides = [f"model.init={init}", f"data.train={shards}", f"data.val={shards}", f"run_dir={run_dir}"]
+    overrides += ["model.embed_dim=64", "model.depth=2", "model.num_heads=4"]
+    cfg = load_config("recipes/quickstart_finetune.yaml", overrides)
+    manifest = {"method": "finetune", "mode": cfg.objective.mode, "step": 40, "source": cfg.model.init,
+                "metrics": {"val/top1": 0.5}, "config": cfg.model_dump(mode="json"), "pooling_hint": "avg"}  # fmt: skip
+    state = build_model(cfg, num_classes=4).state_dict()
+    export_state_dict(cfg, state, run_dir / "export", num_classes=4, manifest=manifest, run_dir=run_dir)
+    return run_dir
+
+
+def test_a_finetuning_card_names_the_pretraining_it_started_from(tmp_path, shards):
+    init = export_model(wide_vit(), tmp_path / "pretrain", model_args=ARGS, manifest={"method": "mae", "step": 300})
+
+    run_dir = finetune_export(tmp_path, shards, init)
+    assert f"- Started from: `{init}` (MAE pretraining, step 300)\n" in (run_dir / "export" / CARD_NAME).read_text()
+
+    # the hand-off's record (run_dir/load_report.json, as finetune/handoff.py writes it) says what was loaded, even
+    # once the init export is replaced; without one, the init's mimpipe.json says what it is now
+    (run_dir / "load_report.json").write_text(json.dumps(load_encoder(wide_vit(seed=1), init).as_dict()))
+    export_model(wide_vit(), init, model_args=ARGS, manifest={"method": "simmim", "step": 500})
+    finetune_export(tmp_path, shards, init)
+    assert f"- Started from: `{init}` (MAE pretraining, step 300)\n" in (run_dir / "export" / CARD_NAME).read_text()
+    (run_dir / "load_report.json").unlink()
+    finetune_export(tmp_path, shards, init)
+    assert f"`{init}` (SimMIM pretraining, step 500)\n" in (run_dir / "export" / CARD_NAME).read_text()
+
+    official = InitFacts("hf-hub:org/mae", checkpoint_format="mae-pretrain")  # a load report's file without manifest
+    assert init_origin(official) == "MAE pretraining, official checkpoint layout"
+    converted = InitFacts("x", "mimpipe-export", {"method": "convert", "source_manifest": {"method": "data2vec2"}})
+    assert init_origin(converted) == "data2vec 2.0 pretraining, converted by mimpipe"

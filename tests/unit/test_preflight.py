@@ -16,9 +16,11 @@ import yaml
 
 from core.engine.precision import resolve_precision
 from core.entry.launch_check import main as launch_check
+from core.export.folder import export_model
 from core.launch.disk import checkpoint_room
 from core.launch.lease import LEASE_FILE, Lease
 from core.launch.rundir import mark_finished
+from core.models.build import model_args
 from core.recipe.config import dump_config, load_config
 from data.__main__ import main as data_main
 from finetune.preflight import resolve
@@ -106,9 +108,17 @@ def init_missing(t: Path, s: Path):
 
 
 def init_of_another_width(t: Path, s: Path):
+    """The recipe's model.embed_dim against the file's: the key and both values (core/export/architecture.py)."""
     safetensors.torch.save_file(tiny_vit(embed_dim=64).state_dict(), t / "wide.safetensors")
-    words = "ViT 64 wide, 2 blocks, patch 4x4 does not fit the recipe's model (ViT 32 wide, 2 blocks, patch 4x4)"
-    return [f"model.init={t}/wide.safetensors"], "model.init", f"{t}/wide.safetensors", words
+    words = f"the recipe sets 32, {t}/wide.safetensors has 64 (the weights); leave it out to take the checkpoint's"
+    return [f"model.init={t}/wide.safetensors"], "model.embed_dim", f"{t}/wide.safetensors", words
+
+
+def init_of_another_structure(t: Path, s: Path):
+    """What no recipe key says (attention without a qkv bias): the shapes that do not fit."""
+    safetensors.torch.save_file(tiny_vit(qkv_bias=False).state_dict(), t / "nobias.safetensors")
+    words = "ViT 32 wide, 2 blocks, patch 4x4 does not fit the recipe's model (ViT 32 wide, 2 blocks, patch 4x4)"
+    return [f"model.init={t}/nobias.safetensors"], "model.init", f"{t}/nobias.safetensors", words
 
 
 def pickle_without_trust(t: Path, s: Path):
@@ -135,6 +145,7 @@ FAILURES = [
     finetune_shard_without_label,
     init_missing,
     init_of_another_width,
+    init_of_another_structure,
     pickle_without_trust,
     run_dir_under_a_file,
     epochs_without_index,
@@ -177,6 +188,53 @@ def test_trusted_pickle_and_json_labels_pass(capsys, tmp_path, shards):
     code, lines, printed = check(capsys, recipe, f"data.train={foreign}", "data.label_field=label")
     assert code == 0 and lines == [], printed
     assert "model.init: mae-pretrain, ViT 32 wide, 2 blocks, patch 4x4" in printed
+    # the recipe sets every key the file fixes; the heads, which no shape shows, are the recipe's
+    init = tmp_path / "mae_pretrain.pth"
+    assert f"[mimpipe] model from {init}: num_heads 2 from the recipe (the weights do not show heads)\n" in printed
+
+
+def _export(tmp_path: Path) -> Path:
+    """Our export of the recipes' tiny ViT (32 wide, 2 blocks of 2 heads, 16 px in 4 px patches), normalised its way."""
+    vit = tiny_vit()
+    manifest = {"method": "mae", "step": 3, "pooling_hint": "avg"}
+    data = {"mean": (0.5, 0.5, 0.5), "std": (0.25, 0.25, 0.25)}
+    return export_model(vit, tmp_path / "export", model_args=model_args(vit), manifest=manifest, data_config=data)
+
+
+@pytest.mark.parametrize("stage", ["finetune", "pretrain"])
+def test_model_init_completes_the_recipe_and_a_contradiction_is_one_line(capsys, tmp_path, shards, stage):
+    """Fine-tuning and a warm-started pretraining: a recipe whose model names only `model.init` gets the export's
+    architecture and normalisation, and the plan says which keys; a key the export contradicts is one line naming it
+    and both values, exit 2 (core/export/architecture.py)."""
+    export = _export(tmp_path)
+    recipe = {
+        "stage": stage,
+        "run_dir": str(tmp_path / "run"),
+        "model": {"init": str(export)},
+        "data": {"train": str(shards), "global_batch_size": 8},
+        "objective": {"kind": "classification"} if stage == "finetune" else {"kind": "mae", "decoder_num_heads": 2},
+        "schedule": {"steps": 4},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code, lines, printed = check(capsys, path, "--dry-run")
+    assert code == 0 and lines == [], printed
+    assert (
+        f"[mimpipe] model from {export}: size tiny, embed_dim 32, depth 2, num_heads 2, patch_size 4, img_size 16, "
+        "mean/std (config.json)\n"
+    ) in printed
+    dumped = yaml.safe_load(printed[printed.index("stage:") :].split("[mimpipe] plan")[0])  # --dry-run's config
+    assert {k: dumped["model"][k] for k in ("embed_dim", "depth", "num_heads", "img_size")} == {
+        "embed_dim": 32, "depth": 2, "num_heads": 2, "img_size": 16
+    }  # fmt: skip
+    assert dumped["data"]["mean"] == [0.5, 0.5, 0.5]
+
+    code, lines, printed = check(capsys, path, "model.embed_dim=64")
+    assert code == 2 and lines == [
+        f"launch.sh: model.embed_dim: the recipe sets 64, {export} has 32 (config.json); leave it out to take the "
+        "checkpoint's"
+    ], printed
+    assert "[mimpipe] plan" not in printed
 
 
 def test_pretraining_needs_images_only_and_leaves_remote_shards_closed(capsys, tmp_path, shards):

@@ -1,8 +1,9 @@
 """`mimpipe evaluate` (finetune/report_card.py) on tiny ViTs and the synthetic shards: every measure is what the
 pipeline's own code gives on the same encoder and images (the kNN monitor's embedding and vote, the L-BFGS probe,
 few-shot, RankMe), checkpoints in one call give the rows each gives alone, an official-layout MAE file and our export
-of it give the same row, a checkpoint of another width than `--arch` is refused before any image is embedded, and
-the command writes report.md, report.json and TensorBoard scalars."""
+of it give the same row, a checkpoint of another width than `--arch` is refused before any image is embedded, the
+command writes report.md, report.json and TensorBoard scalars, and with --card each export's numbers into its model
+card's Evaluation section."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import finetune.report_card as report_card
 from core.engine.distributed import DistInfo
+from core.export.card import CARD_NAME, split_card
 from core.export.folder import export_model
 from core.models.build import model_args
 from core.report.collapse import effective_rank, normalised_std
@@ -32,6 +34,7 @@ from finetune.convert import convert
 from finetune.lbfgs_probe import extract_features, probe
 from finetune.report_card import Protocol, evaluate
 from finetune.report_encoders import EncoderFlags
+from finetune.report_files import write_card_sections
 from finetune.seg_probe import SegSchedule, seg_probe
 from pretrain.knn import embed
 from tests.helpers.datasets import needs_fashion_mnist
@@ -62,8 +65,8 @@ def trained_like(seed: int):
     return vit
 
 
-def write_export(vit, path, pooling_hint: str = "token"):
-    manifest = {"method": "mae", "step": 7, "pooling_hint": pooling_hint}
+def write_export(vit, path, pooling_hint: str = "token", step: int = 7):
+    manifest = {"method": "mae", "step": step, "pooling_hint": pooling_hint}
     data_config = {"mean": MEAN, "std": STD, "crop_pct": 1.0}
     return export_model(vit, path, model_args=model_args(vit), manifest=manifest, data_config=data_config)
 
@@ -122,8 +125,8 @@ def test_every_measure_equals_the_existing_code_on_the_same_encoder_and_images(s
         assert row["details"][f"linear_{pooling}"]["weight_decay"] == expected["weight_decay"]
     assert 0.5 < metrics["knn/top1"] <= 1.0  # the synthetic classes separate (chance 0.25)
     assert row["settings"]["sources"] == {
-        "img_size": "checkpoint", "mean": "config.json", "std": "config.json", "crop_pct": "config.json",
-        "pooling": "checkpoint's pooling hint",
+        "num_heads": "config.json", "img_size": "checkpoint", "mean": "config.json", "std": "config.json",
+        "crop_pct": "config.json", "pooling": "checkpoint's pooling hint",
     }  # fmt: skip
 
 
@@ -164,6 +167,39 @@ def test_an_official_mae_file_and_our_export_of_it_give_the_same_row(shards, tmp
     assert official["settings"]["sources"]["mean"] == "ImageNet (official weights)"
     assert ours["settings"]["sources"]["mean"] == "config.json"
     assert official["settings"]["mean"] == ours["settings"]["mean"]
+
+
+def test_an_architecture_flag_applies_only_to_the_checkpoints_that_do_not_fix_it(shards, tmp_path, capsys):
+    """`--num-heads 2` on [an official MAE file, our 4-head export]: the file is built with 2 heads, the export keeps
+    its config.json's 4 (its row is the one it gives alone; one line says so); on the export alone the flag is
+    refused, naming both values (core/export/architecture.py's rule for `model.init`)."""
+    torch.save(official_mae(trained_like(2)), tmp_path / "mae_pretrain.pth")
+    four_heads = tiny_vit(4, num_heads=4)
+    with torch.no_grad():
+        for p in four_heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    export = write_export(four_heads, tmp_path / "export")
+    alone = run([export], shards)["rows"][0]
+    capsys.readouterr()
+
+    official, ours = run([tmp_path / "mae_pretrain.pth", export], shards, EncoderFlags(num_heads=2))["rows"]
+    assert ours["settings"] == alone["settings"]  # the metrics too, but for the last bits of a thread-count change:
+    assert ours["metrics"] == pytest.approx(alone["metrics"], rel=1e-6)  # evaluate sets 1 thread after its first embed
+    assert (ours["settings"]["model_args"]["num_heads"], ours["settings"]["sources"]["num_heads"]) == (4, "config.json")
+    assert (official["settings"]["model_args"]["num_heads"], official["settings"]["sources"]["num_heads"]) == (
+        2, "--num-heads"
+    )  # fmt: skip
+    assert (
+        f"[mimpipe] evaluate {export}: --num-heads 2: {export} has num_heads 4 (config.json): the checkpoint's kept "
+        "(the flag is for weights files)\n"
+    ) in capsys.readouterr().out
+
+    with pytest.raises(ValueError) as caught:
+        run([export], shards, EncoderFlags(num_heads=2))
+    assert str(caught.value) == (
+        f"--num-heads 2: {export} has num_heads 4 (config.json); --num-heads applies only to a weights file, which "
+        "does not fix it"
+    )
 
 
 def test_a_checkpoint_of_another_width_than_its_flags_is_refused_before_anything_is_embedded(
@@ -233,6 +269,60 @@ def test_the_command_writes_the_table_the_json_and_tensorboard(shards, exports, 
     for tag in ("knn/top1", "linear/top1_cls", "fewshot/top1_5shot", "features/effective_rank"):
         (scalar,) = events.Scalars(tag)
         assert (scalar.step, scalar.value) == (7, pytest.approx(metrics[tag]))
+
+
+def table_of(section: str) -> dict[str, str]:
+    """A markdown table's first two columns, header row left out."""
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in section.splitlines()]
+    return {row[0]: row[1] for row in rows if len(row) > 1 and row[0] not in ("measure", "---")}
+
+
+def test_card_writes_each_exports_numbers_into_its_model_card(shards, tmp_path, monkeypatch, capsys):
+    export = write_export(trained_like(5), tmp_path / "export")
+    torch.save(official_mae(trained_like(2)), tmp_path / "mae_pretrain.pth")
+    before = (export / CARD_NAME).read_text()
+    monkeypatch.setattr(report_card, "init_distributed", lambda device: DIST)
+    argv = [str(export), str(tmp_path / "mae_pretrain.pth"), "--train", str(shards["train"])]
+    argv += ["--val", str(shards["val"]), "--out", str(tmp_path / "out"), "--max-train", "64", "--max-val", "32"]
+    argv += ["--suite", "knn,fewshot,rank", "--shots", "1,5", "--num-workers", "0", "--precision", "fp32"]
+    argv += ["--num-heads", "2", "--card"]
+
+    assert report_card.main(argv) == 0
+
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    metrics = report["rows"][0]["metrics"]
+    card = (export / CARD_NAME).read_text()
+    sections = dict(split_card(card)[2])
+    table = table_of(sections["Evaluation"])
+    assert set(table) == set(metrics) == {"knn/top1", "knn/top5", "fewshot/top1_1shot", "fewshot/top1_5shot",
+                                          "features/effective_rank", "features/std"}  # fmt: skip
+    for tag, value in metrics.items():  # report.md's precision: 4 decimals, the rank 1
+        assert float(table[tag]) == round(value, 1 if tag == "features/effective_rank" else 4), tag
+    assert "Protocol:" in sections["Evaluation"] and "- kNN: k 20, temperature 0.07" in sections["Evaluation"]
+    assert "- this encoder: 16x16 px, crop 1, cls pooling" in sections["Evaluation"]
+    assert {k: v for k, v in sections.items() if k != "Evaluation"} == dict(split_card(before)[2])  # the rest as it was
+    assert card.startswith(split_card(before)[0])  # the front matter too
+    out = capsys.readouterr().out
+    assert f"[mimpipe] card: wrote the Evaluation section of {export / CARD_NAME}" in out
+    assert f"[mimpipe] card: left {tmp_path / 'mae_pretrain.pth'} alone: a mae-pretrain checkpoint" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "mae_pretrain.pth", "out"]
+
+    # an export replaced since it was measured, a run_dir's temporary export and a Hub repo are left alone
+    newer = write_export(trained_like(6), tmp_path / "export", step=8)
+    row = report["rows"][0]
+
+    def moved(checkpoint: str, path: str) -> dict:
+        return {**row, "checkpoint": checkpoint, "settings": {**row["settings"], "path": path}}
+
+    rows = [row, moved("runs/x", str(tmp_path / "gone")), moved("hf-hub:org/vit", "hf-hub:org/vit")]
+    lines, failed = write_card_sections({**report, "rows": rows})
+    assert failed == 0 and "## Evaluation" not in (newer / CARD_NAME).read_text()
+    assert lines[0] == (
+        f"[mimpipe] card: left {export} alone: {export} was replaced since it was measured (step 7, now 8): "
+        "evaluate it again"
+    )  # fmt: skip
+    assert "left runs/x alone: measured from a temporary export" in lines[1]
+    assert "left hf-hub:org/vit alone: a Hub repo" in lines[2]
 
 
 @needs_fashion_mnist

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from core.launch.ckpt_files import write_marker
 from core.launch.rundir import (
     ALLOW_FLAG,
     MAY_CHANGE,
@@ -28,12 +29,15 @@ def base(run_dir: Path, *overrides: str):
     return load_config(None, [f"run_dir={run_dir}", "optim.base_lr=1.5e-4", "schedule.steps=1000", *overrides])
 
 
-def checkpoint(run_dir: Path, cfg, step: int) -> None:
-    """A checkpoint as core/engine/checkpoint.py leaves one, as far as a relaunch reads it."""
+def checkpoint(run_dir: Path, cfg, step: int, *, complete: bool = True) -> None:
+    """A checkpoint as core/engine/checkpoint.py leaves one, as far as a relaunch reads it: its files, its
+    completeness marker (`complete=False`: none, a save that did not finish), then `latest` naming it."""
     tag_dir = run_dir / "checkpoints" / f"step_{step:08d}"
     tag_dir.mkdir(parents=True)
     (tag_dir / "config.yaml").write_text(dump_config(cfg))
     (tag_dir / "rank_00000.json").write_text(json.dumps({"world_size": 2, "train": {"step": step}}))
+    if complete:
+        write_marker(tag_dir, {p.name: p.stat().st_size for p in tag_dir.iterdir()})
     (run_dir / "checkpoints" / "latest").write_text(tag_dir.name)
 
 
@@ -117,6 +121,52 @@ def test_finished_needs_the_marker_of_the_latest_step_and_a_schedule_no_longer(t
     assert not longer.finished and [c.key for c in longer.applied] == ["schedule.steps"]
     mark_finished(tmp_path, 3, "step_00000003")  # finished once, lengthened, now at a later checkpoint
     assert not relaunch(cfg, total_steps=6).finished
+
+
+def test_a_truncated_latest_is_judged_by_the_checkpoint_the_resume_falls_back_to(tmp_path):
+    """`latest` cut short to `step_000` (not step 0): the relaunch reads the checkpoint a resume would load, the
+    newest complete one, so a finished run is still found finished (before: step 0, not finished, and the ranks
+    started, resumed at step 6 and exported again)."""
+    cfg = base(tmp_path, "schedule.steps=6")
+    checkpoint(tmp_path, cfg, step=3)
+    checkpoint(tmp_path, cfg, step=6)
+    mark_finished(tmp_path, 6, "step_00000006")
+    (tmp_path / "checkpoints" / "latest").write_text("step_000")
+    verdict = relaunch(cfg, total_steps=6)
+    assert verdict.finished and (verdict.checkpoint.tag, verdict.checkpoint.step) == ("step_00000006", 6)
+    assert verdict.notes(tmp_path) == [
+        f"{tmp_path} holds a finished run (step 6, checkpoints/step_00000006, exported): nothing to do; lengthen the "
+        "schedule (schedule.steps / schedule.epochs) to continue it, or pass run_dir=NEW_DIR to start a new run"
+    ]
+    longer = relaunch(base(tmp_path, "schedule.steps=9"), total_steps=9)  # resumes from step 6
+    assert not longer.finished and longer.checkpoint.tag == "step_00000006"
+    refused = relaunch(base(tmp_path, "schedule.steps=6", "seed=1"), total_steps=6)
+    assert "(checkpoints/step_00000006; seed: 0 -> 1)" in refused.refusal(tmp_path)
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_latest_naming_an_incomplete_checkpoint_is_judged_by_its_complete_predecessor(tmp_path, finished):
+    """`latest` names step 8, whose save never completed (no marker; its config another one), after a complete step 6:
+    the resume loads step 6, and the relaunch judges by it, config and step: finished when the run finished at 6
+    (before: step 8 against finished.json's 6, not finished), else resumed from 6."""
+    cfg = base(tmp_path, "schedule.steps=6")
+    checkpoint(tmp_path, cfg, step=6)
+    if finished:
+        mark_finished(tmp_path, 6, "step_00000006")
+    checkpoint(tmp_path, base(tmp_path, "schedule.steps=6", "seed=1"), step=8, complete=False)
+    verdict = relaunch(cfg, total_steps=6)
+    assert (verdict.checkpoint.tag, verdict.checkpoint.step) == ("step_00000006", 6)
+    assert verdict.refused == [] and verdict.applied == []  # step 6's config, not the torn step 8's
+    assert verdict.finished is finished
+    assert not relaunch(base(tmp_path, "schedule.steps=8"), total_steps=8).finished
+
+
+def test_nothing_complete_behind_a_torn_latest_is_a_fresh_run_as_its_resume_is(tmp_path):
+    """No checkpoint a resume would load (it starts from scratch): no config to compare, nothing finished."""
+    checkpoint(tmp_path, base(tmp_path, "seed=1"), step=6, complete=False)
+    (tmp_path / "checkpoints" / "latest").write_text("step_0")
+    verdict = relaunch(base(tmp_path), total_steps=6)
+    assert verdict.checkpoint is None and verdict.refusal(tmp_path) is None and not verdict.finished
 
 
 def test_fresh_run_dir(tmp_path):

@@ -19,10 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from core.engine.ckpt_files import choose_resume, tag_of, write_marker
 from core.entry import status
 from core.entry.status import complete_lines_backwards, main, read_status
 from core.entry.status_screen import render
+from core.launch.ckpt_files import choose_resume, tag_of, write_marker
 from core.launch.lease import Lease, here
 from core.recipe.config import dump_config, load_config
 

@@ -10,9 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from core.export.architecture import InitMismatch
+from core.export.folder import export_model
+from core.models.build import model_args
 from core.recipe.config import load_config
 from pretrain.objectives import objective_builder
-from pretrain.warm_start import warm_start
+from pretrain.warm_start import resolve_warm_start, warm_start
+from tests.helpers.models import tiny_vit
 
 VIT = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.img_size=16", "model.patch_size=4"]
 TINY = [*VIT, "objective.decoder_embed_dim=16", "objective.decoder_depth=1", "objective.decoder_num_heads=2"]
@@ -108,3 +112,28 @@ def test_beit_style_and_simmim_objectives_take_their_heads_and_mask_tokens_from_
     assert loss_on(target, images) == loss_on(source, images)
     own = [k for k in source.state_dict() if not k.startswith("encoder.")]
     assert report["objective_fresh"] == [] and report["objective_loaded"] == sorted(own) and own
+
+
+def test_a_recipe_that_names_only_the_export_warm_starts_its_architecture(tmp_path):
+    """A pretraining recipe whose model names only `model.init`: the export's ViT and normalisation (the stage's
+    `resolve`), its encoder loaded, and the load report says which keys came from the export; a contradicting key is
+    refused in one line."""
+    vit = tiny_vit(5)
+    data = {"mean": (0.5, 0.5, 0.5), "std": (0.25, 0.25, 0.25)}
+    export = export_model(vit, tmp_path / "export", model_args=model_args(vit), manifest={"step": 1}, data_config=data)
+    decoder = TINY[len(VIT) :]
+    cfg = load_config(None, [*decoder, f"model.init={export}"])
+    line = (
+        f"model from {export}: size tiny, embed_dim 32, depth 2, num_heads 2, patch_size 4, img_size 16, mean/std "
+        "(config.json)"
+    )
+    assert resolve_warm_start(cfg).line() == line
+    assert (cfg.model.embed_dim, cfg.model.img_size, cfg.data.std) == (32, 16, (0.25, 0.25, 0.25))
+    run, _ = fake_run(tmp_path, export, decoder)
+    run.cfg = cfg
+    objective = objective_builder(cfg)()
+    report = warm_start(objective, run)
+    assert report["notes"][0] == line and report["loaded"]
+    assert torch.equal(objective.encoder.blocks[1].mlp.fc2.weight, vit.blocks[1].mlp.fc2.weight)
+    with pytest.raises(InitMismatch, match=rf"^model.depth: the recipe sets 3, {export} has 2 \(config.json\);"):
+        resolve_warm_start(load_config(None, [*decoder, f"model.init={export}", "model.depth=3"]))

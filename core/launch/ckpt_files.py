@@ -2,11 +2,12 @@
 pointer, and which checkpoint a run may resume from.
 
 A tag folder is a checkpoint only once it holds its marker, `complete`: a JSON list of every file the ranks wrote
-into it with its size, written by rank 0 after every rank has fsynced its own files (see checkpoint.py
+into it with its size, written by rank 0 after every rank has fsynced its own files (see core/engine/checkpoint.py
 `save_checkpoint`). A folder without the marker, or one whose files no longer have the recorded sizes (a torn or
 truncated file), is incomplete: never resumed, and removed by `prune`. A complete one whose files do not read back
-whole (bit rot: `why_damaged`) is damaged: a resume passes over it to the newest one that reads back (checkpoint.py
-`find_resume`).
+whole (bit rot: `why_damaged`) is damaged: a resume passes over it to the newest one that reads back
+(core/engine/checkpoint.py `find_resume`). The resume choice (`choose_resume`) is also what a relaunch is judged by
+(core/launch/rundir.py: finished or not, and whose config), so that the check and the resume never disagree.
 """
 
 from __future__ import annotations
@@ -134,12 +135,14 @@ def checkpoint_bytes(tag_dir: Path) -> int | None:
 
 
 def read_latest(ckpt_dir: Path) -> str | None:
-    """The tag `latest` names; None when there is no `latest` or it does not name a tag (torn, empty)."""
+    """The tag `latest` names; None when there is no `latest` or it holds no whole tag name as `tag_of` writes it
+    (empty, torn, or cut short: `step_000` is a truncated `step_00000006`, not step 0)."""
     try:
         tag = (ckpt_dir / LATEST).read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
-    return tag if step_of(tag) is not None else None
+    step = step_of(tag)
+    return tag if step is not None and tag == tag_of(step) else None
 
 
 def choose_resume(ckpt_dir: Path, damaged: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
