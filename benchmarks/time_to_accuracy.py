@@ -262,6 +262,27 @@ def finetune_lines(tuned: dict[str, dict[str, float]], found: dict[str, list[dic
     return lines
 
 
+def level_lines(found: dict[str, list[dict]]) -> list[str]:
+    """Each objective's CPU-seconds to first reach MAE's value at each of MAE's points (its ratio to MAE's): where
+    along the run one method leads, which the end-of-run goals alone do not show."""
+    mae = found.get("mae")
+    others = [o for o in found if o != "mae"]
+    if not mae or not others:
+        return []
+    names = " | ".join(f"{NAMES.get(o, o)} CPU-s (x MAE)" for o in others)
+    lines = [f"| measure | MAE's value | MAE CPU-s | {names} |", "|---|---:|---:|" + "---:|" * len(others)]
+    for key, what in (("knn", "kNN top-1"), ("probe", "probe (better pooling)")):
+        for point in mae:
+            level = max(r[key] for r in mae if r["cpu_s"] <= point["cpu_s"])  # MAE's best so far
+            reach = time_to(mae, key, level)
+            cells = []
+            for objective in others:
+                t = time_to(found[objective], key, level)
+                cells.append("not reached" if t is None else f"{t:.0f} ({t / reach:.2f}x)")
+            lines.append(f"| {what} | {level:.4f} | {reach:.0f} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render(found: dict[str, list[dict]], args: argparse.Namespace, picture: str, tuned: dict) -> str:
     lines = [
         "# Time to accuracy: MAE and data2vec 2.0 on one machine, one run",
@@ -282,7 +303,9 @@ def render(found: dict[str, list[dict]], args: argparse.Namespace, picture: str,
                          f"{r['cls']:.4f} | {r['mean']:.4f} |")  # fmt: skip
     tuning = ["", "## Fine-tuning (recipes/bench/finetune_*.yaml, test top-1 at the last step)", "", *finetune_lines(
         tuned, found)] if tuned else []  # fmt: skip
-    return "\n".join([*lines, "", *goal_lines(found), *tuning, "", picture, ""])
+    levels = level_lines(found)
+    reach = ["", "## Time to reach MAE's accuracy at each of its points", "", *levels] if levels else []
+    return "\n".join([*lines, "", *goal_lines(found), *reach, *tuning, "", picture, ""])
 
 
 def plot(found: dict[str, list[dict]], path: Path) -> str:

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.time_to_accuracy import TreeCPU, finetune_encoders, finetune_lines, goal_lines, time_to, value_at
+from benchmarks.time_to_accuracy import (
+    TreeCPU,
+    finetune_encoders,
+    finetune_lines,
+    goal_lines,
+    level_lines,
+    time_to,
+    value_at,
+)
 
 
 def _rows(*points):
@@ -60,3 +68,13 @@ def test_data2vec2_is_fine_tuned_at_its_end_and_at_maes_time(tmp_path: Path):
     assert set(finetune_encoders({"mae": MAE, "data2vec2": within}, tmp_path)) == {"mae", "data2vec2"}
     tuned = {"mae": {"ft_1pct": 0.70}, "data2vec2": {"ft_1pct": 0.71}}
     assert "+1.0 points" in finetune_lines(tuned, {"mae": MAE, "data2vec2": within})[-1]
+
+
+def test_the_time_to_reach_maes_value_at_each_of_its_points():
+    d2v = _rows((50, 80.0, 0.55, 0.65), (100, 160.0, 0.58, 0.72), (200, 320.0, 0.62, 0.73))
+    lines = level_lines({"mae": MAE, "data2vec2": d2v})
+    assert lines[2] == "| kNN top-1 | 0.5000 | 100 | 80 (0.80x) |"
+    assert lines[3] == "| kNN top-1 | 0.6000 | 200 | 320 (1.60x) |"
+    assert lines[4] == "| kNN top-1 | 0.6400 | 300 | not reached |"
+    assert lines[6] == "| probe (better pooling) | 0.7000 | 200 | 160 (0.80x) |"
+    assert level_lines({"mae": MAE}) == []
