@@ -213,14 +213,15 @@ def goal_lines(found: dict[str, list[dict]]) -> list[str]:
 
 
 def finetune_encoders(found: dict[str, list[dict]], root: Path) -> dict[str, Path]:
-    """The encoders fine-tuned on 1%, 10% and all labels: each objective's last export, and data2vec 2.0's at MAE's
-    pretraining CPU-seconds (its last point at or before them), the issue's comparison at equal time."""
+    """The encoders fine-tuned on 1%, 10% and all labels: each objective's last export, and each other objective's at
+    MAE's pretraining CPU-seconds (its last point at or before them), the issues' comparison at equal time."""
     chosen = {o: root / "exports" / f"{o}_step{rows[-1]['step']:06d}" for o, rows in found.items()}
-    if "mae" in found and "data2vec2" in found:
+    if "mae" in found:
         budget = found["mae"][-1]["cpu_s"]
-        within = [r for r in found["data2vec2"] if r["cpu_s"] <= budget]
-        if within and within[-1] is not found["data2vec2"][-1]:
-            chosen["data2vec2@mae_time"] = root / "exports" / f"data2vec2_step{within[-1]['step']:06d}"
+        for objective in [o for o in found if o != "mae"]:
+            within = [r for r in found[objective] if r["cpu_s"] <= budget]
+            if within and within[-1] is not found[objective][-1]:
+                chosen[f"{objective}@mae_time"] = root / "exports" / f"{objective}_step{within[-1]['step']:06d}"
     return chosen
 
 
