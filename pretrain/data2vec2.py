@@ -29,9 +29,8 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from core.models.pos_embed import sincos_pos_embed_2d
 from core.recipe.teacher_sections import ConvDecoderConfig, EMASchedule
-from pretrain.encoder import check_encoder, forward_encoder, patch_positions
+from pretrain.encoder import check_encoder, forward_encoder, init_embedding, init_layer, patch_positions
 from pretrain.teacher import EMATeacher
 
 
@@ -142,29 +141,13 @@ class Data2Vec2(nn.Module):
         embedding, fixed sin-cos positions, N(0, 0.02) tokens), module by module through `apply` (the form a ZeRO-3
         build lends each module its full weights in). The teacher is given the student's values before the first
         step (core/engine/teacher.py)."""
-        self.apply(self._init_layer)
+        self.apply(init_layer)
         self.apply(self._init_embedding)
         self.encoder.pos_embed.requires_grad_(False)
 
-    @staticmethod
-    def _init_layer(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.xavier_uniform_(module.weight)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
-
     def _init_embedding(self, module: nn.Module) -> None:
-        for enc in (self.encoder, self.teacher.encoder):
-            if module is enc.patch_embed.proj:  # (D, C, ph, pw), initialised as a (D, C*ph*pw) Linear
-                nn.init.xavier_uniform_(module.weight.view(module.weight.shape[0], -1))
-            elif module is enc:
-                enc.pos_embed.copy_(sincos_pos_embed_2d(enc.pos_embed.shape[-1], self.grid_size, enc.num_prefix_tokens))
-                nn.init.normal_(enc.cls_token, std=0.02)
-                if enc.reg_token is not None:
-                    nn.init.normal_(enc.reg_token, std=0.02)
+        for encoder in (self.encoder, self.teacher.encoder):
+            init_embedding(module, encoder, self.grid_size)
 
     def no_weight_decay(self) -> set[str]:
         """Full names of the trainable parameters kept out of weight decay: the student's tokens and positions."""

@@ -14,7 +14,9 @@ Shape legend:
 import torch
 from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
+from core.models.pos_embed import sincos_pos_embed_2d
 from core.models.t2t_vit import T2TViT
 
 
@@ -94,3 +96,33 @@ def forward_encoder(encoder: VisionTransformer, x: torch.Tensor) -> torch.Tensor
         x = encoder.norm_pre(x)
     x = checkpoint_seq(encoder.blocks, x) if getattr(encoder, "grad_checkpointing", False) else encoder.blocks(x)
     return encoder.norm(x)
+
+
+@torch.no_grad()
+def init_layer(module: nn.Module) -> None:
+    """MAE's initialisation of one module's own weights: xavier-uniform Linear with a zero bias, unit LayerNorm. An
+    `apply` function, as every objective's init is: under ZeRO-3, zero.Init lends each module its full weights in
+    turn (core/engine/zero_init.py)."""
+    if isinstance(module, nn.Linear):
+        nn.init.xavier_uniform_(module.weight)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+@torch.no_grad()
+def init_embedding(module: nn.Module, encoder: VisionTransformer, grid: tuple[int, int]) -> None:
+    """MAE's initialisation of `encoder`'s embedding, for `module` its patch projection or the encoder itself (an
+    `apply` function): the projection xavier-uniform as a (D, C*ph*pw) Linear; fixed 2-D sin-cos positions on `grid`;
+    N(0, 0.02) class token, then register tokens (drawn after the class token: an encoder without registers draws as
+    before). Other modules are left alone."""
+    if module is encoder.patch_embed.proj:  # (D, C, ph, pw)
+        nn.init.xavier_uniform_(module.weight.view(module.weight.shape[0], -1))
+    elif module is encoder:
+        encoder.pos_embed.copy_(sincos_pos_embed_2d(encoder.pos_embed.shape[-1], grid, encoder.num_prefix_tokens))
+        if encoder.cls_token is not None:
+            nn.init.normal_(encoder.cls_token, std=0.02)
+        if encoder.reg_token is not None:
+            nn.init.normal_(encoder.reg_token, std=0.02)

@@ -24,7 +24,7 @@ from torch import nn
 
 from core.models.pos_embed import sincos_pos_embed_2d
 from core.report.pictures import image_grid
-from pretrain.encoder import check_encoder, forward_encoder, patch_positions
+from pretrain.encoder import check_encoder, forward_encoder, init_embedding, init_layer, patch_positions
 
 # MAE's norm_pix_loss adds this to the per-patch variance before the square root.
 _NORM_PIX_EPS = 1e-6
@@ -130,30 +130,13 @@ class MAE(nn.Module):
 
         Module by module through `apply`, each call setting only that module's own parameters: the form in which a
         ZeRO-3 build (core/engine/zero_init.py) lends each module its full weights."""
-        self.apply(self._init_layer)
+        self.apply(init_layer)
         self.apply(self._init_embedding)
         self.encoder.pos_embed.requires_grad_(False)
 
-    @staticmethod
-    def _init_layer(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.xavier_uniform_(module.weight)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
-
     def _init_embedding(self, module: nn.Module) -> None:
-        enc = self.encoder
-        if module is enc.patch_embed.proj:  # (D, C, ph, pw), initialised as a (D, C*ph*pw) Linear
-            nn.init.xavier_uniform_(module.weight.view(module.weight.shape[0], -1))
-        elif module is enc:
-            enc.pos_embed.copy_(sincos_pos_embed_2d(enc.pos_embed.shape[-1], self.grid_size, enc.num_prefix_tokens))
-            nn.init.normal_(enc.cls_token, std=0.02)
-            if enc.reg_token is not None:  # drawn after the class token: an encoder without registers draws as before
-                nn.init.normal_(enc.reg_token, std=0.02)
-        elif module is self:
+        init_embedding(module, self.encoder, self.grid_size)
+        if module is self:
             nn.init.normal_(self.mask_token, std=0.02)
 
     def no_weight_decay(self) -> set[str]:
